@@ -1,0 +1,351 @@
+"""Typed run configuration: YAML files plus dotted `key=value` overrides.
+
+One frozen dataclass per section is the single source of truth for every knob;
+a field's comment is its documentation. `load(path, overrides)` reads a YAML
+file, applies overrides such as `optimizer.lr=3e-4`, rejects unknown keys and
+mistyped values with a `ConfigError` that names the key, and checks the
+arithmetic between sections (layers per stage, microbatch sizes). This module
+imports no JAX, so tools can read configs cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from jaxpipe.errors import ConfigError
+
+__all__ = [
+    "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",
+    "MeshConfig", "OptimizerConfig", "CheckpointConfig", "EvalConfig",
+    "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict",
+    "apply_overrides", "validate",
+]
+
+SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+OPTIMIZERS = ("adamw", "muon", "lion", "adan", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "wsd")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  dir: str = "runs/default"      # metrics.jsonl, config, checkpoints go here
+  steps: int = 100               # optimizer steps (batches) in the whole run
+  seed: int = 0                  # parameter init and data order
+  log_every: int = 1             # steps between progress-bar refreshes
+  progress: bool = True          # show a progress bar on stderr
+  nan_policy: str = "skip"       # non-finite loss/grad: skip the update, or stop
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  path: str = ""                 # prepared token dir (tools/prepare_data.py); "" = embedded corpus
+  corpus: str = "kjv"            # embedded corpus used when path is ""
+  tokenizer: str = "byte"        # for the embedded corpus: byte | gpt2 | path/to/tokenizer.json
+  cache_dir: str = ""            # where the embedded corpus is tokenised; "" = ~/.cache/jaxpipe
+  batch_size: int = 16           # global batch in sequences per step, whatever the mesh
+  seq_len: int = 64              # tokens per sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 0           # 0 = dense SwiGLU MLP in every block
+  top_k: int = 2                 # experts per token
+  capacity_factor: float = 1.25  # expert slots = capacity_factor * tokens * top_k / num_experts
+  aux_loss_coeff: float = 0.01   # weight of the load-balancing loss
+  ffn_dim: int = 0               # hidden size of one expert; 0 = model.ffn_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 0            # 0 = take it from the tokenizer
+  dim: int = 64                  # residual width
+  n_layers: int = 4              # transformer blocks, stacked along a leading axis
+  n_heads: int = 4               # query heads
+  n_kv_heads: int = 2            # key/value heads (grouped-query attention)
+  ffn_dim: int = 0               # SwiGLU hidden size; 0 = 8/3 * dim rounded up to 32
+  tie_embeddings: bool = False   # share the input embedding with the output head
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+  remat: bool = False            # recompute block activations in the backward pass
+  param_dtype: str = "float32"   # master weights and optimizer state
+  compute_dtype: str = "float32" # matmuls and activations (bfloat16 on accelerators)
+  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  schedule: str = "none"         # none | gpipe | 1f1b | 2bw | pipedream
+  stages: int = 1                # S: devices along the `stage` mesh axis
+  # M: microbatches per step. GPipe idles (S-1)/(M+S-1) of a step, 1F1B
+  # 2(S-1)/(M+2(S-1)); 2bw idles only in the very first step and needs
+  # M >= 2(S-1). With `none` this is plain gradient accumulation.
+  microbatches: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = 1                  # D: data-parallel replicas; the mesh is stage x data
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  name: str = "adamw"            # adamw | muon | lion | adan | sgd
+  lr: float = 3e-3               # peak learning rate (Muon: of the hidden matrices)
+  adam_lr: float = 0.0           # Muon only: AdamW rate for embeddings, head, norms; 0 = lr
+  weight_decay: float = 0.1      # decoupled; never applied to norms and biases
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  momentum: float = 0.95         # Muon momentum
+  nesterov: bool = True          # Muon Nesterov momentum
+  ns_steps: int = 5              # Muon Newton-Schulz iterations
+  schedule: str = "cosine"       # constant | cosine | wsd (warmup-stable-decay)
+  warmup_steps: int = 0
+  min_lr_ratio: float = 0.1      # final lr of cosine / wsd as a fraction of lr
+  decay_fraction: float = 0.2    # wsd: share of the steps spent decaying
+  clip_norm: float = 1.0         # global gradient-norm clip; 0 = off
+  delay: int = 0                 # simulated gradient delay in steps (schedule=none only)
+  error_feedback: float = 0.0    # correction coefficient c; 0 = off
+  ef_dtype: str = ""             # dtype of the correction buffer; "" = the parameters'
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 0                 # steps between checkpoints; 0 = only at the end
+  keep: int = 2                  # checkpoints kept (the newest)
+  async_save: bool = True        # write in a background thread while training goes on
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  every: int = 0                 # steps between validation passes; 0 = only at the end
+  batches: int = 4               # validation batches (of data.batch_size sequences)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistConfig:
+  coordinator: str = ""          # host:port of process 0; "" = single process (or env vars)
+  num_processes: int = 1
+  process_id: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  run: RunConfig = dataclasses.field(default_factory=RunConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  dist: DistConfig = dataclasses.field(default_factory=DistConfig)
+
+
+def _describe(value: Any) -> str:
+  return f"{value!r} ({type(value).__name__})"
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+  """Checks `value` against the annotated type; ints are accepted as floats."""
+  if dataclasses.is_dataclass(typ):
+    if not isinstance(value, Mapping):
+      raise ConfigError(f"{key}: expected a section (mapping), got {_describe(value)}")
+    return _build(typ, value, key + ".")
+  origin = typing.get_origin(typ)
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if value is None:
+      return None
+    return _coerce(key, value, args[0])
+  if typ is bool:
+    if isinstance(value, bool):
+      return value
+    raise ConfigError(f"{key}: expected true or false, got {_describe(value)}")
+  if typ is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    raise ConfigError(f"{key}: expected an integer, got {_describe(value)}")
+  if typ is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    raise ConfigError(f"{key}: expected a number, got {_describe(value)}")
+  if typ is str:
+    if isinstance(value, str):
+      return value
+    raise ConfigError(f"{key}: expected a string, got {_describe(value)}")
+  raise TypeError(f"unsupported config field type {typ!r} for {key}")
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls)]
+  kwargs = {}
+  for key, value in values.items():
+    if key not in hints:
+      where = prefix[:-1] or "the top level"
+      raise ConfigError(
+          f"unknown config key '{prefix}{key}'; valid keys in {where}: "
+          f"{', '.join(names)}")
+    kwargs[key] = _coerce(prefix + key, value, hints[key])
+  return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+  """Returns the config as nested plain dicts (for YAML and JSON)."""
+  return dataclasses.asdict(cfg)
+
+
+def _parse_scalar(text: str) -> Any:
+  # YAML rules, so `lr=3e-4`, `remat=true` and `dir=runs/a` mean what they say
+  # in a config file. YAML 1.1 reads `3e-4` as a string; accept it as a float.
+  try:
+    value = yaml.safe_load(text)
+  except yaml.YAMLError:
+    return text
+  if isinstance(value, str):
+    try:
+      return float(value)
+    except ValueError:
+      return value
+  return value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+  """Sets dotted `key=value` overrides in a nested dict (a deep copy)."""
+  tree = yaml.safe_load(yaml.safe_dump(tree)) or {}
+  valid = to_dict(Config())
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override '{item}' is not of the form section.key=value")
+    dotted, text = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    node, schema = tree, valid
+    for depth, part in enumerate(parts):
+      if not isinstance(schema, dict) or part not in schema:
+        known = ", ".join(schema) if isinstance(schema, dict) else ""
+        raise ConfigError(
+            f"unknown config key '{dotted}'"
+            + (f"; valid keys in '{'.'.join(parts[:depth]) or 'the top level'}': {known}"
+               if known else ""))
+      schema = schema[part]
+      if depth == len(parts) - 1:
+        if isinstance(schema, dict):
+          raise ConfigError(f"'{dotted}' is a section; set one of its keys: {', '.join(schema)}")
+        node[part] = _parse_scalar(text)
+      else:
+        child = node.get(part)
+        if child is None:
+          child = node[part] = {}
+        if not isinstance(child, dict):
+          raise ConfigError(f"{'.'.join(parts[:depth + 1])}: expected a section, got {_describe(child)}")
+        node = child
+  return tree
+
+
+def from_dict(tree: Mapping[str, Any] | None) -> Config:
+  """Builds a typed `Config` from nested mappings; missing keys take defaults."""
+  return _build(Config, tree or {})
+
+
+def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
+  """Reads a YAML config, applies overrides, and returns a validated `Config`."""
+  tree: Any = {}
+  if path is not None:
+    try:
+      with open(path) as f:
+        tree = yaml.safe_load(f)
+    except FileNotFoundError:
+      raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+      mark = getattr(e, "problem_mark", None)
+      where = f" line {mark.line + 1}" if mark is not None else ""
+      raise ConfigError(f"{path}:{where} is not valid YAML") from None
+    if tree is None:
+      tree = {}
+    if not isinstance(tree, dict):
+      raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+  cfg = from_dict(apply_overrides(tree, overrides))
+  validate(cfg)
+  return cfg
+
+
+def _check(cond: bool, message: str) -> None:
+  if not cond:
+    raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+  """Checks values and the arithmetic between sections; raises ConfigError."""
+  r, d, m, p, o = cfg.run, cfg.data, cfg.model, cfg.pipeline, cfg.optimizer
+  _check(r.steps >= 1, f"run.steps must be >= 1, got {r.steps}")
+  _check(r.log_every >= 1, f"run.log_every must be >= 1, got {r.log_every}")
+  _check(r.nan_policy in ("skip", "stop"), f"run.nan_policy must be skip or stop, got '{r.nan_policy}'")
+  _check(bool(r.dir), "run.dir must not be empty")
+  _check(d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}")
+  _check(d.seq_len >= 2, f"data.seq_len must be >= 2, got {d.seq_len}")
+  for key in ("dim", "n_layers", "n_heads", "n_kv_heads"):
+    _check(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
+  _check(m.dim % m.n_heads == 0,
+         f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+  _check((m.dim // m.n_heads) % 2 == 0,
+         f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+  _check(m.n_heads % m.n_kv_heads == 0,
+         f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+  for key in ("param_dtype", "compute_dtype"):
+    _check(getattr(m, key) in ("float32", "bfloat16", "float16"),
+           f"model.{key} must be float32, bfloat16 or float16, got '{getattr(m, key)}'")
+  if m.moe.num_experts:
+    _check(1 <= m.moe.top_k <= m.moe.num_experts,
+           f"model.moe.top_k={m.moe.top_k} must be between 1 and model.moe.num_experts={m.moe.num_experts}")
+    _check(m.moe.capacity_factor > 0, "model.moe.capacity_factor must be > 0")
+  _check(p.schedule in SCHEDULES,
+         f"pipeline.schedule must be one of {', '.join(SCHEDULES)}; got '{p.schedule}'")
+  _check(p.stages >= 1, f"pipeline.stages must be >= 1, got {p.stages}")
+  _check(p.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {p.microbatches}")
+  _check(cfg.mesh.data >= 1, f"mesh.data must be >= 1, got {cfg.mesh.data}")
+  if p.schedule == "none":
+    _check(p.stages == 1, f"pipeline.stages={p.stages} needs a pipeline schedule "
+           "(gpipe, 1f1b, 2bw, pipedream); set pipeline.stages=1 for schedule none")
+  else:
+    _check(m.n_layers % p.stages == 0,
+           f"model.n_layers={m.n_layers} is not divisible by pipeline.stages={p.stages}; "
+           "choose stages that divide the layers")
+    _check(o.delay == 0, f"optimizer.delay={o.delay} simulates a delay for schedule none only; "
+           f"schedule {p.schedule} has its own (2bw: one step)")
+  if p.schedule == "2bw" and p.stages > 1:
+    _check(p.microbatches >= 2 * (p.stages - 1),
+           f"pipeline.microbatches={p.microbatches} is too few for 2bw with {p.stages} stages; "
+           f"it needs at least 2*(stages-1) = {2 * (p.stages - 1)}")
+  _check(d.batch_size % p.microbatches == 0,
+         f"data.batch_size={d.batch_size} is not divisible by pipeline.microbatches={p.microbatches}")
+  micro = d.batch_size // p.microbatches
+  _check(micro % cfg.mesh.data == 0,
+         f"the microbatch of {micro} sequences (data.batch_size / pipeline.microbatches) "
+         f"is not divisible by mesh.data={cfg.mesh.data} replicas")
+  _check(o.name in OPTIMIZERS, f"optimizer.name must be one of {', '.join(OPTIMIZERS)}; got '{o.name}'")
+  _check(o.schedule in LR_SCHEDULES,
+         f"optimizer.schedule must be one of {', '.join(LR_SCHEDULES)}; got '{o.schedule}'")
+  _check(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
+  _check(o.delay >= 0, f"optimizer.delay must be >= 0, got {o.delay}")
+  _check(o.error_feedback >= 0, f"optimizer.error_feedback must be >= 0, got {o.error_feedback}")
+  _check(o.ef_dtype in ("", "float32", "bfloat16", "float16"),
+         f"optimizer.ef_dtype must be empty, float32, bfloat16 or float16; got '{o.ef_dtype}'")
+  _check(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+  _check(0.0 <= o.decay_fraction <= 1.0, f"optimizer.decay_fraction must be in [0, 1], got {o.decay_fraction}")
+  _check(o.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
+  _check(o.clip_norm >= 0, f"optimizer.clip_norm must be >= 0, got {o.clip_norm}")
+  _check(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
+  _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
+  _check(cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}")
+  _check(cfg.eval.batches >= 0, f"eval.batches must be >= 0, got {cfg.eval.batches}")
+  ds = cfg.dist
+  _check(ds.num_processes >= 1, f"dist.num_processes must be >= 1, got {ds.num_processes}")
+  _check(0 <= ds.process_id < ds.num_processes,
+         f"dist.process_id={ds.process_id} must be in [0, dist.num_processes={ds.num_processes})")
