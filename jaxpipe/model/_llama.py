@@ -1,0 +1,203 @@
+"""A Llama-style decoder (SmolLM shapes) with its blocks stacked on a leading axis.
+
+RMSNorm, rotary position embeddings, grouped-query attention, a SwiGLU MLP (or
+a Mixture-of-Experts layer), pre-norm residual blocks. The parameter tree is
+
+  {'embed':  {'embedding': [vocab, dim]},
+   'blocks': {...every leaf stacked: [n_layers, ...]},
+   'head':   {'norm': {'scale': [dim]}, 'out': {'kernel': [dim, vocab]}}}
+
+('head/out' is absent with tied embeddings). The model is split into three pure
+functions so that a pipeline can give them to different stages: `embed`
+(stage 0), `apply_blocks` on any slice of the stacked blocks (every stage), and
+`head_loss` (the last stage). The model knows nothing of meshes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpipe.config import ModelConfig
+from jaxpipe.model import _moe
+
+Params = Any
+
+__all__ = ["Model", "Block", "build", "ffn_dim", "dtype_of", "num_params"]
+
+
+def dtype_of(name: str) -> jnp.dtype:
+  """Maps a config dtype name to a JAX dtype."""
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def ffn_dim(cfg: ModelConfig) -> int:
+  """The SwiGLU hidden size: cfg.ffn_dim, or 8/3 * dim rounded up to 32."""
+  if cfg.ffn_dim:
+    return cfg.ffn_dim
+  return 32 * math.ceil(8 * cfg.dim / 3 / 32)
+
+
+class RMSNorm(nn.Module):
+  """x / rms(x) * scale, computed in float32."""
+  eps: float
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+  """Rotates pairs (i, i + half) of each head by position-dependent angles.
+
+  x: [batch, seq, heads, head_dim]; positions are 0..seq-1.
+  """
+  seq, head_dim = x.shape[1], x.shape[-1]
+  half = head_dim // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq[None, :]  # [seq, half]
+  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  xf = x.astype(jnp.float32)
+  a, b = xf[..., :half], xf[..., half:]
+  return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  """Causal grouped-query self-attention with rotary embeddings."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    head_dim = cfg.dim // cfg.n_heads
+    dense = lambda n, name, std: nn.Dense(
+        n, use_bias=False, name=name, dtype=dtype_of(cfg.compute_dtype),
+        param_dtype=dtype_of(cfg.param_dtype), kernel_init=nn.initializers.normal(std))
+    std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    b, t, _ = x.shape
+    q = dense(cfg.n_heads * head_dim, "q", cfg.init_std)(x).reshape(b, t, cfg.n_heads, head_dim)
+    k = dense(cfg.n_kv_heads * head_dim, "k", cfg.init_std)(x).reshape(b, t, cfg.n_kv_heads, head_dim)
+    v = dense(cfg.n_kv_heads * head_dim, "v", cfg.init_std)(x).reshape(b, t, cfg.n_kv_heads, head_dim)
+    q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return dense(cfg.dim, "o", std_out)(o.reshape(b, t, cfg.n_heads * head_dim))
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    dense = lambda n, name, std: nn.Dense(
+        n, use_bias=False, name=name, dtype=dtype_of(cfg.compute_dtype),
+        param_dtype=dtype_of(cfg.param_dtype), kernel_init=nn.initializers.normal(std))
+    hidden = ffn_dim(cfg)
+    h = nn.silu(dense(hidden, "gate", cfg.init_std)(x)) * dense(hidden, "up", cfg.init_std)(x)
+    return dense(cfg.dim, "down", cfg.init_std / math.sqrt(2 * cfg.n_layers))(h)
+
+
+class Block(nn.Module):
+  """One pre-norm transformer block; returns (x, auxiliary loss)."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    pd = dtype_of(cfg.param_dtype)
+    x = x + Attention(cfg, name="attn")(RMSNorm(cfg.norm_eps, pd, name="attn_norm")(x))
+    h = RMSNorm(cfg.norm_eps, pd, name="mlp_norm")(x)
+    if cfg.moe.num_experts:
+      y, aux = _moe.MoE(cfg, name="moe")(h)
+    else:
+      y, aux = MLP(cfg, name="mlp")(h), jnp.zeros((), jnp.float32)
+    return x + y, aux
+
+
+class Model(NamedTuple):
+  """The model as pure functions of parameter pytrees.
+
+  Attributes:
+    cfg: the model config (vocab_size resolved).
+    init: rng -> params.
+    embed: (params, tokens [b, t] int32) -> activations [b, t, dim]. Reads
+      only params['embed'].
+    apply_blocks: (blocks, x) -> (x, aux): runs every block of a stacked slice
+      of params['blocks'] in order; aux is the sum of their auxiliary losses.
+    head_loss: (params, x, targets) -> mean next-token cross-entropy. Reads
+      params['head'] (and params['embed'] when tied).
+    loss: (params, tokens, targets) -> cross-entropy plus auxiliary losses of
+      the whole model on one device: the reference every pipeline must match.
+  """
+  cfg: ModelConfig
+  init: Callable[[jax.Array], Params]
+  embed: Callable[[Params, jax.Array], jax.Array]
+  apply_blocks: Callable[[Params, jax.Array], tuple[jax.Array, jax.Array]]
+  head_loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
+  loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
+
+
+def build(cfg: ModelConfig) -> Model:
+  """Returns the model's pure functions for a config whose vocab_size is set."""
+  if cfg.vocab_size <= 0:
+    raise ValueError("model.vocab_size must be resolved (> 0) before building the model")
+  cd, pd = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+  block = Block(cfg)
+  norm = RMSNorm(cfg.norm_eps, pd)
+
+  def init(rng):
+    k_embed, k_blocks, k_head = jax.random.split(rng, 3)
+    embedding = (cfg.init_std * jax.random.normal(k_embed, (cfg.vocab_size, cfg.dim))).astype(pd)
+    x = jnp.zeros((1, 2, cfg.dim), cd)
+    blocks = jax.vmap(lambda k: block.init(k, x)["params"])(
+        jax.random.split(k_blocks, cfg.n_layers))
+    head = {"norm": norm.init(k_head, x)["params"]}
+    if not cfg.tie_embeddings:
+      head["out"] = {"kernel": (cfg.init_std * jax.random.normal(
+          k_head, (cfg.dim, cfg.vocab_size))).astype(pd)}
+    return {"embed": {"embedding": embedding}, "blocks": blocks, "head": head}
+
+  def embed(params, tokens):
+    return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(cd)
+
+  def one_block(carry, p):
+    x, aux = carry
+    y, a = block.apply({"params": p}, x)
+    return (y, aux + a), None
+
+  body = jax.checkpoint(one_block) if cfg.remat else one_block
+
+  def apply_blocks(blocks, x):
+    (x, aux), _ = jax.lax.scan(body, (x, jnp.zeros((), jnp.float32)), blocks)
+    return x, aux
+
+  def head_loss(params, x, targets):
+    h = norm.apply({"params": params["head"]["norm"]}, x)
+    if cfg.tie_embeddings:
+      w = params["embed"]["embedding"].astype(cd).T
+    else:
+      w = params["head"]["out"]["kernel"].astype(cd)
+    # Logits and the softmax in float32: bf16 logits lose the loss's low bits.
+    logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  def loss(params, tokens, targets):
+    x, aux = apply_blocks(params["blocks"], embed(params, tokens))
+    return head_loss(params, x, targets) + aux
+
+  return Model(cfg, init, embed, apply_blocks, head_loss, loss)
+
+
+def num_params(params: Params) -> int:
+  """Counts the scalar parameters of a tree."""
+  return sum(int(x.size) for x in jax.tree.leaves(params))
