@@ -1,0 +1,547 @@
+"""Tests for jaxpipe.data: the token format, tokenizers, corpus, pipeline and CLI."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxpipe import data as jd
+from jaxpipe.errors import DataError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, "tools", "prepare_data.py")
+
+
+def _write_arange(path, n=4000, vocab=5000, val=None):
+  """A dataset whose token at position i is i, so every window shows where it came from."""
+  splits = {"train": np.arange(n), "val": np.arange(val if val is not None else n // 4)}
+  return jd.write_tokens(path, splits, vocab_size=vocab, eos_id=0, tokenizer="byte")
+
+
+def _one_line(err: DataError, needle: str) -> str:
+  message = str(err)
+  assert "\n" not in message
+  assert needle in message, message
+  return message
+
+
+# --- format ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [257, 70_000])
+def test_round_trip(tmp_path, vocab):
+  rng = np.random.default_rng(0)
+  train, val = rng.integers(0, vocab, 1000), rng.integers(0, vocab, 77)
+  out = jd.write_tokens(tmp_path / "ds", {"train": train, "val": val}, vocab_size=vocab,
+                        eos_id=vocab - 1, tokenizer="byte", meta_extra={"source": "test"})
+  data = jd.open_tokens(out)
+  assert (data.vocab_size, data.eos_id, data.tokenizer) == (vocab, vocab - 1, "byte")
+  assert data.dtype == (np.uint16 if vocab <= 65536 else np.uint32)
+  assert isinstance(data.split("train"), np.memmap)
+  np.testing.assert_array_equal(data.split("train"), train)
+  np.testing.assert_array_equal(data.split("val"), val)
+  meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+  assert meta["format"] == "jaxpipe-tokens" and meta["version"] == 1
+  assert meta["splits"]["val"] == {"file": "val.bin", "num_tokens": 77,
+                                   "sha256": meta["splits"]["val"]["sha256"]}
+  assert meta["source"] == "test"
+  assert os.path.getsize(tmp_path / "ds" / "train.bin") == 1000 * data.dtype.itemsize
+  assert sorted(os.listdir(tmp_path)) == ["ds"]  # no temporary directories left
+
+
+def test_write_never_replaces_a_different_dataset(tmp_path):
+  out = tmp_path / "ds"
+  _write_arange(out, n=100)
+  _write_arange(out, n=100)  # the same dataset again: kept, no error
+  with pytest.raises(DataError) as e:
+    _write_arange(out, n=101)
+  _one_line(e.value, str(out))
+  assert jd.open_tokens(out).num_tokens("train") == 100
+  jd.write_tokens(out, {"train": np.arange(5)}, vocab_size=10, eos_id=0, tokenizer="byte",
+                  overwrite=True)
+  assert jd.open_tokens(out).split_names == ("train",)
+  (tmp_path / "notes").mkdir()
+  (tmp_path / "notes" / "keep.txt").write_text("mine")
+  with pytest.raises(DataError, match="not a jaxpipe token directory"):
+    jd.write_tokens(tmp_path / "notes", {"train": np.arange(5)}, vocab_size=10, eos_id=0,
+                    tokenizer="byte", overwrite=True)
+  assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+  assert sorted(os.listdir(tmp_path)) == ["ds", "notes"]
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+  with pytest.raises(RuntimeError):
+    with jd.TokenWriter(tmp_path / "ds", vocab_size=257, eos_id=256, tokenizer="byte") as w:
+      w.append("train", np.arange(10))
+      raise RuntimeError("killed")
+  with pytest.raises(DataError, match="outside"):
+    jd.write_tokens(tmp_path / "ds", {"train": np.array([300])}, vocab_size=257, eos_id=256,
+                    tokenizer="byte")
+  assert os.listdir(tmp_path) == []
+
+
+def _corrupt(tmp_path, how):
+  """Writes a small dataset, damages it as `how` says, and returns (dir, culprit)."""
+  out = tmp_path / "ds"
+  _write_arange(out, n=100, vocab=200, val=30)
+  meta_path = out / "meta.json"
+  meta = json.loads(meta_path.read_text())
+  if how == "missing dir":
+    return tmp_path / "nowhere", tmp_path / "nowhere"
+  if how == "missing meta":
+    meta_path.unlink()
+    return out, meta_path
+  if how == "bad json":
+    meta_path.write_text("{not json")
+    return out, meta_path
+  if how == "missing split file":
+    (out / "val.bin").unlink()
+    return out, out / "val.bin"
+  if how == "truncated":
+    with open(out / "train.bin", "r+b") as f:
+      f.truncate(150)
+    return out, out / "train.bin"
+  if how == "ids beyond vocab":
+    ids = np.arange(100, dtype="<u2")
+    ids[57] = 250
+    ids.tofile(out / "train.bin")
+    return out, out / "train.bin"
+  edits = {
+      "wrong format": {"format": "npy"},
+      "wrong version": {"version": 2},
+      "bad dtype": {"dtype": "float32"},
+      "eos beyond vocab": {"eos_id": 200},
+      "split path": {"splits": {"train": {"file": "../train.bin", "num_tokens": 100}}},
+  }
+  if how == "missing key":
+    del meta["vocab_size"]
+  else:
+    meta.update(edits[how])
+  meta_path.write_text(json.dumps(meta))
+  return out, meta_path
+
+
+@pytest.mark.parametrize("how", [
+    "missing dir", "missing meta", "bad json", "wrong format", "wrong version", "missing key",
+    "bad dtype", "eos beyond vocab", "split path", "missing split file", "truncated",
+    "ids beyond vocab"])
+def test_bad_data_is_a_one_line_error_naming_the_file(tmp_path, how):
+  path, culprit = _corrupt(tmp_path, how)
+  with pytest.raises(DataError) as e:
+    jd.open_tokens(path)
+  message = _one_line(e.value, str(culprit))
+  if how == "ids beyond vocab":
+    assert "250" in message and "position 57" in message
+  if how == "truncated":
+    assert "truncated" in message
+
+
+def test_ids_are_checked_in_chunks(tmp_path, monkeypatch):
+  from jaxpipe.data import _format
+  monkeypatch.setattr(_format, "_CHUNK", 7)
+  ids = np.arange(100) % 50
+  ids[93] = 60
+  jd.write_tokens(tmp_path / "ds", {"train": ids % 50}, vocab_size=100, eos_id=0,
+                  tokenizer="byte")
+  ids.astype("<u2").tofile(tmp_path / "ds" / "train.bin")
+  jd.open_tokens(tmp_path / "ds", check_ids=False)
+  meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+  meta["vocab_size"] = 55
+  (tmp_path / "ds" / "meta.json").write_text(json.dumps(meta))
+  with pytest.raises(DataError, match="position 93"):
+    jd.open_tokens(tmp_path / "ds")
+
+
+def test_split_shorter_than_one_sequence(tmp_path):
+  out = _write_arange(tmp_path / "ds", n=100, val=16)
+  data = jd.open_tokens(out)
+  assert data.num_sequences("val", 15) == 1
+  with pytest.raises(DataError) as e:
+    jd.eval_batches(data, seq_len=16, batch_size=2, num_microbatches=1, num_batches=1)
+  _one_line(e.value, os.path.join(out, "val.bin"))
+  with pytest.raises(DataError) as e:
+    jd.train_dataset(out, seq_len=100, batch_size=2, num_microbatches=1, seed=0)
+  _one_line(e.value, os.path.join(out, "train.bin"))
+  with pytest.raises(DataError, match="no split 'test'"):
+    data.split("test")
+
+
+# --- tokenizers --------------------------------------------------------------
+
+
+def test_byte_tokenizer():
+  tok = jd.get_tokenizer("byte")
+  text = "Grüße, 世界! naïve café ✓"
+  ids = tok.encode(text)
+  assert ids == list(text.encode("utf-8")) and max(ids) < 256
+  assert tok.decode(ids) == text
+  assert (tok.vocab_size, tok.eos_id, tok.name) == (257, 256, "byte")
+  docs = tok.encode_documents(["ab", "", "ü"])
+  assert docs.tolist() == [97, 98, 256, 256, 195, 188, 256]
+  assert tok.decode(docs) == "ab<|endoftext|><|endoftext|>ü<|endoftext|>"
+
+
+def test_gpt2_tokenizer_offline(monkeypatch):
+  from jaxpipe.data import _tokenizers
+
+  def no_network(*args, **kwargs):
+    raise AssertionError("the gpt2 tokenizer tried to use the network")
+
+  monkeypatch.setattr(socket.socket, "connect", no_network)
+  monkeypatch.setattr(socket, "create_connection", no_network)
+  tok = _tokenizers._Gpt2Tokenizer()  # pylint: disable=protected-access
+  assert tok.encode("Hello world") == [15496, 995]
+  assert (tok.vocab_size, tok.eos_id) == (50257, 50256)
+  text = "It's 2024: naïve BPE — tokens, ids & bytes!\n\n  Indented."
+  assert tok.decode(tok.encode(text)) == text
+  # The end-of-text string in a document is text, not the special id.
+  assert 50256 not in tok.encode("a <|endoftext|> b")
+  assert jd.get_tokenizer("gpt2").encode_documents(["Hello", "world"]).tolist() == [
+      15496, 50256, 6894, 50256]
+
+
+def test_tokenizer_json(tmp_path):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  corpus = ["the quick brown fox jumps over the lazy dog", "über naïve café"] * 50
+  tok.train_from_iterator(corpus, trainer)
+  path = tmp_path / "tokenizer.json"
+  tok.save(str(path))
+  ours = jd.get_tokenizer(str(path))
+  assert ours.eos_id == 0 and ours.vocab_size == tok.get_vocab_size()
+  text = "The lazy fox, über alles: 42!"
+  assert ours.decode(ours.encode(text)) == text
+  assert ours.encode_documents(["fox", "dog"])[-1] == 0
+  assert jd.get_tokenizer(str(tmp_path)).fingerprint == ours.fingerprint
+  # A dataset keeps its tokenizer.json, so it decodes wherever it is moved.
+  out = jd.write_tokens(tmp_path / "ds", {"train": ours.encode_documents(["the dog"])},
+                        vocab_size=ours.vocab_size, eos_id=ours.eos_id, tokenizer=str(path))
+  data = jd.open_tokens(out)
+  assert data.tokenizer == "tokenizer.json"
+  assert data.load_tokenizer().decode(data.split("train")) == "the dog<|endoftext|>"
+
+
+def test_bad_tokenizer_specs(tmp_path):
+  with pytest.raises(DataError, match="unknown tokenizer 'gpt5'"):
+    jd.get_tokenizer("gpt5")
+  with pytest.raises(DataError, match="not found"):
+    jd.get_tokenizer(str(tmp_path / "missing.json"))
+  bad = tmp_path / "bad.json"
+  bad.write_text('{"not": "a tokenizer"}')
+  with pytest.raises(DataError) as e:
+    jd.get_tokenizer(str(bad))
+  _one_line(e.value, str(bad))
+
+
+# --- embedded corpus ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def kjv(tmp_path_factory):
+  cache = str(tmp_path_factory.mktemp("cache"))
+  return cache, jd.prepare_embedded("kjv", "byte", cache)
+
+
+def test_embedded_corpus(kjv):
+  cache, path = kjv
+  assert os.path.dirname(path) == cache and os.path.basename(path) == "kjv-byte-v1"
+  data = jd.open_tokens(path)
+  assert (data.vocab_size, data.eos_id, data.tokenizer) == (257, 256, "byte")
+  train, val = data.num_tokens("train"), data.num_tokens("val")
+  assert 4_000_000 < train < 4_200_000
+  assert 0.01 < val / (train + val) < 0.025
+  text = data.load_tokenizer().decode(data.split("train")[:400])
+  assert text.startswith("In the beginning God created the heaven and the earth.")
+  assert "darkness was upon the face" in text  # italics brackets dropped, words kept
+  raw = bytes(np.asarray(data.split("train")[:400_000], np.uint8))
+  assert b"[" not in raw and "\u2019".encode() not in raw
+  assert data.meta["num_documents"]["val"] == 92
+
+
+def test_embedded_corpus_is_cached(kjv, monkeypatch):
+  cache, path = kjv
+  from jaxpipe.data import _corpus
+
+  def rebuild():
+    raise AssertionError("rebuilt a cached corpus")
+
+  stamp = os.stat(os.path.join(path, "meta.json")).st_mtime_ns
+  monkeypatch.setitem(_corpus.CORPORA, "kjv", rebuild)
+  assert jd.prepare_embedded("kjv", "byte", cache) == path
+  assert os.stat(os.path.join(path, "meta.json")).st_mtime_ns == stamp
+  assert [n for n in os.listdir(cache) if n.startswith(".")] == []
+
+
+def test_embedded_corpus_cache_dir_and_repair(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXPIPE_CACHE", str(tmp_path))
+  stale, live = tmp_path / ".kjv-byte-v1.tmp-killed", tmp_path / ".kjv-byte-v1.tmp-running"
+  stale.mkdir()
+  live.mkdir()
+  os.utime(stale, (0, 0))  # left by a build killed long ago
+  path = jd.prepare_embedded("kjv", "byte")
+  assert os.path.dirname(path) == str(tmp_path)
+  assert not stale.exists() and live.exists()
+  with open(os.path.join(path, "val.bin"), "r+b") as f:
+    f.truncate(10)  # damage from outside is repaired by a rebuild
+  assert jd.prepare_embedded("kjv", "byte") == path
+  assert jd.open_tokens(path).num_tokens("val") > 10
+  with pytest.raises(DataError, match="known corpora: kjv"):
+    jd.prepare_embedded("wikitext")
+
+
+# --- pipeline ----------------------------------------------------------------
+
+
+@pytest.fixture
+def arange_data(tmp_path):
+  return jd.open_tokens(_write_arange(tmp_path / "ds", n=4001, vocab=5000, val=700))
+
+
+def _windows(batch, seq_len):
+  return (batch["tokens"][..., 0] // seq_len).reshape(-1)
+
+
+def test_batches_shapes_and_targets(arange_data):
+  ds = jd.train_dataset(arange_data, seq_len=16, batch_size=12, num_microbatches=3, seed=0)
+  for k in (0, 1, 500):
+    batch = ds[k]
+    assert set(batch) == {"tokens", "targets"}
+    for x in batch.values():
+      assert x.shape == (3, 4, 16) and x.dtype == np.int32
+    tokens, targets = batch["tokens"], batch["targets"]
+    np.testing.assert_array_equal(targets[..., :-1], tokens[..., 1:])
+    np.testing.assert_array_equal(targets[..., -1], tokens[..., -1] + 1)
+    assert np.all(tokens[..., 0] % 16 == 0)  # windows start at multiples of seq_len
+    np.testing.assert_array_equal(tokens, tokens[..., :1] + np.arange(16))
+
+
+def test_epochs_cover_every_window_and_reshuffle(arange_data):
+  # 4001 tokens hold 250 windows of 17 at stride 16: 25 batches of 10 per epoch.
+  ds = jd.train_dataset(arange_data, seq_len=16, batch_size=10, num_microbatches=2, seed=3)
+  epoch0 = np.concatenate([_windows(ds[k], 16) for k in range(25)])
+  epoch1 = np.concatenate([_windows(ds[k], 16) for k in range(25, 50)])
+  assert sorted(epoch0) == sorted(epoch1) == list(range(250))
+  assert not np.array_equal(epoch0, epoch1)
+  assert not np.array_equal(epoch0, np.arange(250))
+  other = jd.train_dataset(arange_data, seq_len=16, batch_size=10, num_microbatches=2, seed=4)
+  assert not np.array_equal(_windows(ds[0], 16), _windows(other[0], 16))
+  again = jd.train_dataset(arange_data.path, seq_len=16, batch_size=10, num_microbatches=2,
+                           seed=3)
+  np.testing.assert_array_equal(_windows(again[7], 16), _windows(ds[7], 16))
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_shards_are_disjoint_and_form_the_global_batch(arange_data, shards):
+  kw = dict(seq_len=8, batch_size=16, num_microbatches=2, seed=1)
+  whole = jd.train_dataset(arange_data, **kw)
+  parts = [jd.train_dataset(arange_data, shard_index=s, shard_count=shards, **kw)
+           for s in range(shards)]
+  for k in (0, 3, 1000):
+    local = [p[k] for p in parts]
+    assert local[0]["tokens"].shape == (2, 8 // shards, 8)
+    for key in ("tokens", "targets"):
+      np.testing.assert_array_equal(np.concatenate([x[key] for x in local], axis=1),
+                                    whole[k][key])
+    seen = np.concatenate([_windows(x, 8) for x in local])
+    assert len(set(seen.tolist())) == 16
+  evals = [jd.eval_batches(arange_data, seq_len=8, batch_size=16, num_microbatches=2,
+                           num_batches=2, shard_index=s, shard_count=shards)
+           for s in range(shards)]
+  full = jd.eval_batches(arange_data, seq_len=8, batch_size=16, num_microbatches=2,
+                         num_batches=2)
+  for j in range(2):
+    np.testing.assert_array_equal(
+        np.concatenate([e[j]["tokens"] for e in evals], axis=1), full[j]["tokens"])
+
+
+def test_only_local_rows_are_read(arange_data, monkeypatch):
+  tokens = arange_data.split("train")
+  starts = []
+
+  class Recorder:
+
+    def __getitem__(self, sl):
+      starts.append(sl.start)
+      return tokens[sl]
+
+  monkeypatch.setattr(arange_data, "split", lambda name: Recorder())
+  ds = jd.train_dataset(arange_data, seq_len=16, batch_size=32, num_microbatches=4, seed=0,
+                        shard_index=1, shard_count=4)
+  ds[0]
+  assert len(starts) == 4 * 2  # 4 microbatches x 2 rows of this shard, not 32
+
+
+def test_batch_arithmetic_is_checked(arange_data):
+  for kw in (dict(batch_size=10, num_microbatches=3), dict(batch_size=12, num_microbatches=2,
+                                                           shard_count=4),
+             dict(batch_size=8, num_microbatches=2, shard_index=2, shard_count=2)):
+    with pytest.raises(ValueError):
+      jd.train_dataset(arange_data, seq_len=8, seed=0, **kw)
+
+
+_RESUME = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+from jaxpipe import data as jd
+it = jd.train_iterator({path!r}, seq_len=16, batch_size=8, num_microbatches=2, seed=5,
+                       shard_index=1, shard_count=2)
+it.set_state(json.loads(sys.argv[1]))
+print(json.dumps([next(it)["tokens"].tolist() for _ in range(3)]))
+"""
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_iterator_resumes_exactly(arange_data, prefetch):
+  kw = dict(seq_len=16, batch_size=8, num_microbatches=2, seed=5, shard_index=1,
+            shard_count=2)
+  it = jd.train_iterator(arange_data.path, prefetch=prefetch, **kw)
+  for _ in range(40):  # past the first epoch (250 windows = 31 batches of 8)
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = [next(it) for _ in range(3)]
+  fresh = jd.train_iterator(arange_data.path, prefetch=prefetch, **kw)
+  next(fresh)
+  fresh.set_state(state)
+  for want in expected:
+    got = next(fresh)
+    for key in ("tokens", "targets"):
+      np.testing.assert_array_equal(got[key], want[key])
+  if prefetch:  # and in another process, from nothing but the saved state
+    script = _RESUME.format(repo=REPO, path=arange_data.path)
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(state)],
+                         capture_output=True, text=True, check=True, timeout=120)
+    np.testing.assert_array_equal(np.array(json.loads(out.stdout)),
+                                  np.stack([b["tokens"] for b in expected]))
+
+
+def test_eval_batches_in_order_and_wrapping(arange_data):
+  # val: 700 tokens = 43 windows of 17 at stride 16.
+  kw = dict(seq_len=16, batch_size=8, num_microbatches=2, num_batches=7)
+  first, second = jd.eval_batches(arange_data, **kw), jd.eval_batches(arange_data.path, **kw)
+  assert len(first) == 7
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+  np.testing.assert_array_equal(_windows(first[0], 16), np.arange(8))
+  np.testing.assert_array_equal(_windows(first[6], 16), np.arange(48, 56) % 43)
+  assert first[0]["tokens"].shape == (2, 4, 16)
+  assert jd.eval_batches(arange_data, seq_len=16, batch_size=8, num_microbatches=2,
+                         num_batches=0) == []
+
+
+# --- prepare_data ------------------------------------------------------------
+
+
+def _inputs(tmp_path):
+  src = tmp_path / "src"
+  (src / "sub").mkdir(parents=True)
+  paragraphs = [f"Paragraph {i} of the book, with some words." for i in range(20)]
+  (src / "book.txt").write_text("\n\n".join(paragraphs) + "\n")
+  (src / "sub" / "notes.md").write_text("# Notes\n\nA short note.\n")
+  with open(src / "sub" / "docs.jsonl", "w") as f:
+    for i in range(10):
+      f.write(json.dumps({"id": i, "text": f"Document number {i}."}) + "\n")
+    f.write("\n")
+  (src / "array.json").write_text(json.dumps([{"text": "From an array."}]))
+  (src / "ignored.csv").write_text("a,b\n")
+  return src
+
+
+def test_prepare_data_cli(tmp_path):
+  src = _inputs(tmp_path)
+  out = tmp_path / "out"
+  run = subprocess.run(
+      [sys.executable, TOOL, "--tokenizer", "byte", "--out", str(out), "--val-fraction", "0.2",
+       str(src)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  assert run.returncode == 0, run.stderr
+  summary = run.stdout.strip().splitlines()
+  assert len(summary) == 1 and str(out) in summary[0] and "train" in summary[0]
+  data = jd.open_tokens(out)
+  tok = jd.get_tokenizer("byte")
+  train = tok.decode(data.split("train"))
+  val = tok.decode(data.split("val"))
+  # Units in sorted path order: array.json (0), book.txt's paragraphs (1-20),
+  # sub/docs.jsonl (21-30), sub/notes.md (31-32); every 5th (i % 5 == 4) is val.
+  assert data.meta["num_documents"] == {"train": 11, "val": 3}
+  assert "Paragraph 3 of" in val and "Paragraph 3 of" not in train
+  assert "Paragraph 2 of the book, with some words.\n\nParagraph 4 of" in train
+  assert "Document number 3." in val and "Document number 4." in train
+  assert "From an array.<|endoftext|>" in train and "a,b" not in train + val
+  assert len(data.meta["sources"]) == 4
+
+  bad = subprocess.run(
+      [sys.executable, TOOL, "--tokenizer", "byte", "--out", str(tmp_path / "out2"),
+       str(src / "missing.txt")], capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2
+  lines = bad.stderr.strip().splitlines()
+  assert len(lines) == 1 and "missing.txt" in lines[0] and "Traceback" not in bad.stderr
+  assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("case", ["unknown tokenizer", "empty dir", "bad jsonl", "missing key",
+                                  "exists", "bad fraction", "not utf8", "parquet",
+                                  "no val", "usage"])
+def test_prepare_data_bad_input(tmp_path, capsys, case):
+  sys.path.insert(0, os.path.dirname(TOOL))
+  try:
+    import prepare_data  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  src = tmp_path / "src"
+  src.mkdir()
+  good = src / "a.txt"
+  good.write_text("one\n\ntwo\n\nthree\n")
+  out = tmp_path / "out"
+  args = ["--tokenizer", "byte", "--out", str(out), "--quiet", str(good)]
+  if case == "unknown tokenizer":
+    args[1] = "sentencepiece"
+  elif case == "empty dir":
+    (tmp_path / "empty").mkdir()
+    args[-1] = str(tmp_path / "empty")
+  elif case in ("bad jsonl", "missing key"):
+    bad = src / "b.jsonl"
+    bad.write_text('{"text": "fine"}\n' + ('{"text": ' if case == "bad jsonl" else '{"body": "x"}')
+                   + "\n")
+    args.append(str(bad))
+  elif case == "exists":
+    _write_arange(out, n=50)
+  elif case == "bad fraction":
+    args += ["--val-fraction", "0.9"]
+  elif case == "not utf8":
+    (src / "c.txt").write_bytes(b"\xff\xfe\x00binary")
+    args.append(str(src / "c.txt"))
+  elif case == "parquet":
+    (src / "d.parquet").write_bytes(b"PAR1")
+    args.append(str(src / "d.parquet"))
+  elif case == "no val":
+    args += ["--val-fraction", "0.1"]
+  elif case == "usage":
+    args = ["--out"]
+  if case == "parquet" and _has_pyarrow():
+    pytest.skip("pyarrow is installed")
+  try:
+    code = prepare_data.main(args)
+  except SystemExit as e:  # argparse's usage errors
+    code = e.code
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2, err
+  assert len(err) == 1 and err[0].startswith("prepare_data: "), err
+  if case == "exists":
+    assert jd.open_tokens(out).num_tokens("train") == 50
+  else:
+    assert not out.exists()
+  assert sorted(os.listdir(tmp_path)) in (["src"], ["empty", "src"], ["out", "src"])
+
+
+def _has_pyarrow():
+  import importlib.util
+  return importlib.util.find_spec("pyarrow") is not None
+
