@@ -1,0 +1,62 @@
+"""Optimizers for asynchronous pipeline-parallel training, as optax transforms.
+
+Everything here is a plain `optax.GradientTransformation`: it jits, keeps bf16
+updates bf16, and composes with `optax.chain`, `optax.partition`,
+`optax.inject_hyperparams` and `optax.MultiSteps`. Nothing here knows about
+pipelines, so other JAX projects can use it on its own.
+
+- `muon`, `adamw`, `lion`, `adan`, `sgd`: optimizers with one grouping
+  convention (`param_labels`, `weight_decay_mask`): Muon on hidden matrices
+  (stacked ones included), AdamW elsewhere, no decay on norms and biases.
+- `delay(inner, steps)`: the stale gradients of an asynchronous pipeline
+  (PipeDream-2BW: one step) reproduced on one device.
+- `error_feedback(inner, coeff)`: the optimizer-agnostic correction for them.
+- `learning_rate_schedule(cfg, total_steps)` and `build(cfg, total_steps)`:
+  the whole chain from a config, `delay(error_feedback(clip + optimizer))`.
+
+Reference: Zmushko et al., "One-Step Gradient Delay is Not a Barrier for
+Large-Scale Asynchronous Pipeline Parallel LLM Pretraining", arXiv 2606.30634,
+2026.
+"""
+
+from jaxpipe.optim._build import build
+from jaxpipe.optim._build import learning_rate_schedule
+from jaxpipe.optim._grouping import EMBEDDING_NAMES
+from jaxpipe.optim._grouping import HEAD_NAMES
+from jaxpipe.optim._grouping import param_kinds
+from jaxpipe.optim._grouping import param_labels
+from jaxpipe.optim._grouping import ROUTER_NAMES
+from jaxpipe.optim._grouping import VECTOR_NAMES
+from jaxpipe.optim._grouping import weight_decay_mask
+from jaxpipe.optim._optimizers import adamw
+from jaxpipe.optim._optimizers import adan
+from jaxpipe.optim._optimizers import lion
+from jaxpipe.optim._optimizers import muon
+from jaxpipe.optim._optimizers import NS_COEFFS
+from jaxpipe.optim._optimizers import sgd
+from jaxpipe.optim._wrappers import delay
+from jaxpipe.optim._wrappers import DelayState
+from jaxpipe.optim._wrappers import error_feedback
+from jaxpipe.optim._wrappers import ErrorFeedbackState
+
+__all__ = [
+    "DelayState",
+    "EMBEDDING_NAMES",
+    "ErrorFeedbackState",
+    "HEAD_NAMES",
+    "NS_COEFFS",
+    "ROUTER_NAMES",
+    "VECTOR_NAMES",
+    "adamw",
+    "adan",
+    "build",
+    "delay",
+    "error_feedback",
+    "learning_rate_schedule",
+    "lion",
+    "muon",
+    "param_kinds",
+    "param_labels",
+    "sgd",
+    "weight_decay_mask",
+]

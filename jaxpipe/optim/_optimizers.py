@@ -1,0 +1,475 @@
+"""Optimizers for the delay study, with one parameter-grouping convention.
+
+Each factory wraps optax's own transforms. What they add is the grouping of
+`_grouping` (no weight decay on norms and biases; Muon only on hidden
+matrices, stacked or not) and, for Muon, the update scale and dimension numbers
+that let stacked layers and experts be orthogonalised matrix by matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+from jaxpipe.optim import _grouping
+
+__all__ = ["NS_COEFFS", "adamw", "adan", "lion", "muon", "sgd"]
+
+# Quintic Newton-Schulz coefficients of Jordan's Muon: they maximise the slope
+# at zero, so 5 steps push every singular value into roughly [0.7, 1.2]
+# rather than converging to exactly 1.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+# Last two axes are (in, out) as in flax kernels; leading axes are batch axes.
+_MATRIX_DIMS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
+
+Mask = Any | Callable[[optax.Params], Any]
+ScalarOrSchedule = float | jax.Array | optax.Schedule
+
+
+def _dtype_stable(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Returns updates in the gradients' dtypes and state in its init dtypes.
+
+  optax's moment updates promote a bf16 leaf to float32 when a hyperparameter
+  arrives as a float32 array, which `optax.inject_hyperparams` does for trees
+  of mixed dtypes. A state whose dtypes drift breaks `lax.cond` (as in
+  `delay` and `optax.MultiSteps`) and scan carries, so cast back.
+  """
+
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_state = inner.update(updates, state, params, **extra_args)
+    new_updates = jax.tree.map(
+        lambda u, g: u.astype(g.dtype), new_updates, updates)
+    new_state = jax.tree.map(
+        lambda new, old: new.astype(old.dtype), new_state, state)
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def _mask_or_default(mask: Mask | None) -> Mask:
+  return _grouping.weight_decay_mask if mask is None else mask
+
+
+def _axes(ndim: int, axes: int | Sequence[int]) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return tuple(a % ndim for a in axes)
+
+
+def _fans(
+    shape: tuple[int, ...], dims: MuonDimensionNumbers,
+) -> tuple[int, int]:
+  fan_in = math.prod(shape[a] for a in _axes(len(shape), dims.reduction_axis))
+  fan_out = math.prod(shape[a] for a in _axes(len(shape), dims.output_axis))
+  return fan_in, fan_out
+
+
+def _dims_fn(dimension_numbers: Any) -> Callable[[Any], Any]:
+  if dimension_numbers is None:
+    dimension_numbers = _MATRIX_DIMS
+  if callable(dimension_numbers):
+    return dimension_numbers
+  # The Muon branch of `optax.partition` sees the other branch's leaves as
+  # `optax.MaskedNode`s, which have no leaves; tree.map keeps them as they are.
+  return lambda tree: jax.tree.map(lambda _: dimension_numbers, tree)
+
+
+def _scale_by_shape(
+    dims_fn: Callable[[Any], Any], consistent_rms: float | jax.Array | None,
+) -> optax.GradientTransformation:
+  """Multiplies each orthogonalised update by a factor from its matrix shape."""
+
+  def scale(u, dims):
+    fan_in, fan_out = _fans(u.shape, dims)
+    if consistent_rms is None:
+      factor = math.sqrt(max(1.0, fan_out / fan_in))
+    else:
+      factor = consistent_rms * math.sqrt(max(fan_in, fan_out))
+    return u * jnp.asarray(factor, u.dtype)
+
+  def update_fn(updates, state, params=None):
+    del params
+    dims = dims_fn(updates)
+    is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
+    return jax.tree.map(scale, updates, dims, is_leaf=is_dims), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def _checked_labels(labels: Any) -> Callable[[Any], Any]:
+  """Resolves a label tree or rule, refusing labels that Muon cannot serve."""
+  labels = _grouping.param_labels if labels is None else labels
+
+  def resolved(params):
+    tree = _grouping.resolve(labels, params)
+
+    def check(path, label, p):
+      if label not in ("muon", "adam"):
+        raise ValueError(f"param label {label!r} at "
+                         f"{jax.tree_util.keystr(path)} is neither 'muon' "
+                         "nor 'adam'")
+      if label == "muon" and p.ndim < 2:
+        # Caught here, with the leaf's path, rather than as a reshape error
+        # deep inside optax's Newton-Schulz.
+        raise ValueError(f"Muon needs a matrix (or a stack of matrices) at "
+                         f"{jax.tree_util.keystr(path)}, got shape {p.shape}")
+
+    jax.tree_util.tree_map_with_path(check, tree, params)
+    return tree
+
+  return resolved
+
+
+def muon(
+    learning_rate: ScalarOrSchedule,
+    *,
+    adam_learning_rate: ScalarOrSchedule | None = None,
+    momentum: float | jax.Array = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coeffs: tuple[float, float, float] = NS_COEFFS,
+    weight_decay: float | jax.Array = 0.1,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.95,
+    eps: float | jax.Array = 1e-8,
+    consistent_rms: float | jax.Array | None = 0.2,
+    mu_dtype: Any | None = None,
+    param_labels: Any | None = None,
+    weight_decay_mask: Mask | None = None,
+    dimension_numbers: (
+        MuonDimensionNumbers | Callable[[Any], Any] | None) = None,
+) -> optax.GradientTransformation:
+  r"""Muon for hidden matrices, AdamW for embeddings, head, norms and biases.
+
+  Update rule for a hidden matrix W (each matrix of a stack on its own), with
+  gradient G[t], momentum beta and Nesterov (the default):
+
+  .. math::
+    M[t] = \beta M[t-1] + (1-\beta) G[t], \quad
+    O[t] = \mathrm{NS}_5(\beta \hat M[t] + (1-\beta) \hat G[t]), \\
+    W[t+1] = W[t] - \eta\,(0.2 \sqrt{\max(m, n)}\; O[t] + \lambda W[t]),
+
+  where hats are optax's bias corrections, NS_5 is five quintic Newton-Schulz
+  steps with coefficients (3.4445, -4.7750, 2.0315) on the Frobenius-normalised
+  matrix (singular values end in roughly [0.7, 1.2], not exactly 1: the
+  coefficients trade exactness for speed), m x n is the matrix shape, eta the
+  learning rate and lambda the decoupled weight decay. All other leaves take
+  AdamW, `W -= eta_adam (m_hat / (sqrt(v_hat) + eps) + lambda W)`, without
+  decay on norms and biases.
+
+  Update scale (a choice): `consistent_rms=0.2` multiplies the orthogonalised
+  update by `0.2 * sqrt(max(m, n))`, which gives it an RMS of about 0.2, close
+  to AdamW's (Liu et al. 2025). So one learning rate and one weight decay serve
+  both groups: `adam_learning_rate` defaults to `learning_rate`, and rates
+  tuned for AdamW carry over. `consistent_rms=None` selects Jordan's scale
+  `sqrt(max(1, n / m))` instead, under which Muon wants a rate near 0.02 and
+  AdamW a separate one near 3e-3.
+
+  Which leaves are hidden matrices: `param_labels` (default
+  `jaxpipe.optim.param_labels`, a rule on paths and shapes). Stacked weights
+  [L, D, F] and stacked experts [L, E, D, F] are orthogonalised per matrix,
+  with the last two axes as (in, out) unless `dimension_numbers` says
+  otherwise. (Without dimension numbers optax's `muon` silently gives 3-D and
+  4-D weights to Adam; here every Muon leaf gets them.) A leaf labelled
+  `'muon'` with fewer than two axes is an error.
+
+  State: `(PartitionState{muon: MuonState, adam: ScaleByAdamState}, decay
+  state, PartitionState of the learning-rate scalings)`. Memory: one momentum
+  buffer per Muon matrix (in `mu_dtype`, default the params'), two moments per
+  AdamW leaf; with Muon covering most weights, about 1x params against
+  AdamW's 2x.
+
+  Defaults are the usual Muon settings, as the paper does not pin them all
+  down: Nesterov momentum 0.95, 5 Newton-Schulz steps, AdamW (0.9, 0.95) on
+  the other leaves.
+
+  Args:
+    learning_rate: Muon's rate (a scalar or an `optax.Schedule`).
+    adam_learning_rate: AdamW's rate; None = `learning_rate`.
+    momentum: Muon's momentum beta.
+    nesterov: Nesterov momentum for Muon.
+    ns_steps: Newton-Schulz iterations.
+    ns_coeffs: the quintic's coefficients (a, b, c).
+    weight_decay: decoupled decay lambda, multiplied by each group's rate.
+    b1: AdamW's first-moment decay.
+    b2: AdamW's second-moment decay.
+    eps: AdamW's epsilon (also guards Muon's normalisation).
+    consistent_rms: target RMS of Muon's update, or None for Jordan's scale.
+    mu_dtype: dtype of Muon's momentum and AdamW's first moment.
+    param_labels: a pytree of `'muon'`/`'adam'`, or a function of the params
+      returning one. Under `optax.inject_hyperparams`, name a function here in
+      `static_args`, or it is taken for a schedule.
+    weight_decay_mask: a pytree of bools, or a function of the params; None =
+      `jaxpipe.optim.weight_decay_mask` (every matrix, no norms or biases).
+    dimension_numbers: `MuonDimensionNumbers` for every Muon leaf, or a
+      function from the Muon branch's masked tree to a tree of them; None =
+      last two axes (in, out).
+
+  Returns:
+    An `optax.GradientTransformation`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxpipe import optim
+    >>> params = {'w': jnp.ones((4, 3, 3)), 'norm': {'scale': jnp.ones(3)}}
+    >>> tx = optim.muon(0.02)
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    Zmushko et al., `One-Step Gradient Delay is Not a Barrier for Large-Scale
+    Asynchronous Pipeline Parallel LLM Pretraining
+    <https://arxiv.org/abs/2606.30634>`_, 2026
+
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+    Liu et al., `Muon is Scalable for LLM Training
+    <https://arxiv.org/abs/2502.16982>`_, 2025
+  """
+  if adam_learning_rate is None:
+    adam_learning_rate = learning_rate
+  labels = _checked_labels(param_labels)
+  dims_fn = _dims_fn(dimension_numbers)
+  direction = optax.partition(
+      {
+          "muon": optax.chain(
+              optax.contrib.scale_by_muon(
+                  ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=momentum,
+                  eps=eps, mu_dtype=mu_dtype, nesterov=nesterov,
+                  weight_dimension_numbers=dims_fn),
+              _scale_by_shape(dims_fn, consistent_rms),
+          ),
+          "adam": optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype),
+      },
+      labels)
+  step_size = optax.partition(
+      {
+          "muon": optax.scale_by_learning_rate(learning_rate),
+          "adam": optax.scale_by_learning_rate(adam_learning_rate),
+      },
+      labels)
+  return _dtype_stable(optax.chain(
+      direction,
+      optax.add_decayed_weights(
+          weight_decay, _mask_or_default(weight_decay_mask)),
+      step_size,
+  ))
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    *,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.95,
+    eps: float | jax.Array = 1e-8,
+    weight_decay: float | jax.Array = 0.1,
+    mu_dtype: Any | None = None,
+    nesterov: bool = False,
+    weight_decay_mask: Mask | None = None,
+) -> optax.GradientTransformation:
+  r"""AdamW with jaxpipe's decay mask (no decay on norms and biases).
+
+  Update rule: `m = b1 m + (1-b1) g`, `v = b2 v + (1-b2) g^2`, and
+  `W -= eta (m_hat / (sqrt(v_hat) + eps) + lambda W)` with bias-corrected
+  m_hat, v_hat; lambda applies where `weight_decay_mask` is true (default
+  `jaxpipe.optim.weight_decay_mask`). This is `optax.adamw` with that mask and
+  language-model defaults (b2 = 0.95, weight decay 0.1).
+
+  State: optax's `(ScaleByAdamState, mask state, learning-rate state)`.
+  Memory: two parameter-sized moments (the first in `mu_dtype`).
+
+  In the paper AdamW is the optimizer most hurt by a one-step gradient delay;
+  `error_feedback` recovers part of the gap.
+
+  Args:
+    learning_rate: a scalar or an `optax.Schedule`.
+    b1: first-moment decay.
+    b2: second-moment decay.
+    eps: added to the denominator.
+    weight_decay: decoupled decay, multiplied by the learning rate.
+    mu_dtype: dtype of the first moment; None = the params'.
+    nesterov: Nesterov-style (NAdamW) first moment.
+    weight_decay_mask: a pytree of bools or a function of the params.
+
+  Returns:
+    An `optax.GradientTransformation`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxpipe import optim
+    >>> tx = optim.adamw(3e-3)
+    >>> state = tx.init({'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)})
+
+  References:
+    Zmushko et al., `One-Step Gradient Delay is Not a Barrier for Large-Scale
+    Asynchronous Pipeline Parallel LLM Pretraining
+    <https://arxiv.org/abs/2606.30634>`_, 2026
+
+    Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, 2019
+  """
+  return _dtype_stable(optax.adamw(
+      learning_rate, b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype,
+      weight_decay=weight_decay, mask=_mask_or_default(weight_decay_mask),
+      nesterov=nesterov))
+
+
+def lion(
+    learning_rate: ScalarOrSchedule,
+    *,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.99,
+    weight_decay: float | jax.Array = 0.1,
+    mu_dtype: Any | None = None,
+    weight_decay_mask: Mask | None = None,
+) -> optax.GradientTransformation:
+  r"""Lion with jaxpipe's decay mask (no decay on norms and biases).
+
+  Update rule: `c = b1 m + (1-b1) g`, `W -= eta (sign(c) + lambda W)`,
+  `m = b2 m + (1-b2) g`. Every coordinate moves by eta, so Lion wants a rate
+  3-10x below AdamW's and a decay 3-10x above it (Chen et al. 2023) to keep
+  eta * lambda the same. This is `optax.lion` with the mask.
+
+  State: optax's `(ScaleByLionState, mask state, learning-rate state)`.
+  Memory: one parameter-sized momentum (in `mu_dtype`).
+
+  Args:
+    learning_rate: a scalar or an `optax.Schedule`.
+    b1: interpolation of the update direction.
+    b2: momentum decay.
+    weight_decay: decoupled decay, multiplied by the learning rate.
+    mu_dtype: dtype of the momentum; None = the params'.
+    weight_decay_mask: a pytree of bools or a function of the params.
+
+  Returns:
+    An `optax.GradientTransformation`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxpipe import optim
+    >>> tx = optim.lion(3e-4, weight_decay=1.0)
+    >>> state = tx.init({'kernel': jnp.ones((2, 2))})
+
+  References:
+    Zmushko et al., `One-Step Gradient Delay is Not a Barrier for Large-Scale
+    Asynchronous Pipeline Parallel LLM Pretraining
+    <https://arxiv.org/abs/2606.30634>`_, 2026
+
+    Chen et al., `Symbolic Discovery of Optimization Algorithms
+    <https://arxiv.org/abs/2302.06675>`_, 2023
+  """
+  return _dtype_stable(optax.lion(
+      learning_rate, b1=b1, b2=b2, mu_dtype=mu_dtype, weight_decay=weight_decay,
+      mask=_mask_or_default(weight_decay_mask)))
+
+
+def adan(
+    learning_rate: ScalarOrSchedule,
+    *,
+    b1: float | jax.Array = 0.98,
+    b2: float | jax.Array = 0.92,
+    b3: float | jax.Array = 0.99,
+    eps: float | jax.Array = 1e-8,
+    weight_decay: float | jax.Array = 0.1,
+    weight_decay_mask: Mask | None = None,
+) -> optax.GradientTransformation:
+  r"""Adan with jaxpipe's decay mask (no decay on norms and biases).
+
+  Update rule (optax's form): with the gradient difference d = g[t] - g[t-1],
+  `m = b1 m + (1-b1) g`, `n = b2 n + (1-b2) d`,
+  `v = b3 v + (1-b3) (g + b2 d)^2`, and
+  `W -= eta ((m_hat + b2 n_hat) / (sqrt(v_hat) + eps) + lambda W)`.
+  Its betas keep optax's (and the Adan paper's) meaning and defaults, which
+  differ from Adam's. This is `optax.adan` with the mask.
+
+  State: optax's `(ScaleByAdanState, mask state, learning-rate state)`.
+  Memory: three parameter-sized moments plus the previous gradient (4x params).
+
+  Args:
+    learning_rate: a scalar or an `optax.Schedule`.
+    b1: decay of the gradient average.
+    b2: decay of the gradient-difference average.
+    b3: decay of the second moment.
+    eps: added to the denominator.
+    weight_decay: decoupled decay, multiplied by the learning rate.
+    weight_decay_mask: a pytree of bools or a function of the params.
+
+  Returns:
+    An `optax.GradientTransformation`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxpipe import optim
+    >>> tx = optim.adan(1e-3)
+    >>> state = tx.init({'kernel': jnp.ones((2, 2))})
+
+  References:
+    Zmushko et al., `One-Step Gradient Delay is Not a Barrier for Large-Scale
+    Asynchronous Pipeline Parallel LLM Pretraining
+    <https://arxiv.org/abs/2606.30634>`_, 2026
+
+    Xie et al., `Adan: Adaptive Nesterov Momentum Algorithm for Faster
+    Optimizing Deep Models <https://arxiv.org/abs/2208.06677>`_, 2022
+  """
+  return _dtype_stable(optax.adan(
+      learning_rate, b1=b1, b2=b2, b3=b3, eps=eps, weight_decay=weight_decay,
+      mask=_mask_or_default(weight_decay_mask)))
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    *,
+    momentum: float | jax.Array | None = 0.9,
+    nesterov: bool = False,
+    weight_decay: float | jax.Array = 0.0,
+    accumulator_dtype: Any | None = None,
+    weight_decay_mask: Mask | None = None,
+) -> optax.GradientTransformation:
+  r"""SGD with heavy-ball momentum and decoupled, masked weight decay.
+
+  Update rule: `m = momentum m + g` (Nesterov: the step uses
+  `g + momentum m`), `W -= eta (m + lambda W)`; decay is added after the
+  momentum, as in AdamW, and skips norms and biases.
+
+  State: `(TraceState, mask state, learning-rate state)`. Memory: one
+  parameter-sized momentum (none with `momentum=None`).
+
+  Args:
+    learning_rate: a scalar or an `optax.Schedule`.
+    momentum: the momentum decay; None for plain SGD.
+    nesterov: Nesterov momentum.
+    weight_decay: decoupled decay, multiplied by the learning rate.
+    accumulator_dtype: dtype of the momentum; None = the params'.
+    weight_decay_mask: a pytree of bools or a function of the params.
+
+  Returns:
+    An `optax.GradientTransformation`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxpipe import optim
+    >>> tx = optim.sgd(0.1, momentum=0.9)
+    >>> state = tx.init({'kernel': jnp.ones((2, 2))})
+
+  References:
+    Zmushko et al., `One-Step Gradient Delay is Not a Barrier for Large-Scale
+    Asynchronous Pipeline Parallel LLM Pretraining
+    <https://arxiv.org/abs/2606.30634>`_, 2026
+  """
+  return _dtype_stable(optax.chain(
+      (optax.trace(decay=momentum, nesterov=nesterov,
+                   accumulator_dtype=accumulator_dtype)
+       if momentum is not None else optax.identity()),
+      optax.add_decayed_weights(
+          weight_decay, _mask_or_default(weight_decay_mask)),
+      optax.scale_by_learning_rate(learning_rate),
+  ))
