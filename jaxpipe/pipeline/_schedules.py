@@ -130,8 +130,12 @@ class Schedule:
   def opt_shardings(self, params: Tree, opt_state: Tree) -> Tree:
     """Shardings of the optimizer state: each parameter-shaped copy follows its parameter."""
     specs = self.param_shardings(params)
-    return optax.tree_map_params(self.opt, lambda _, spec: spec, opt_state, specs,
-                                 transform_non_params=lambda _: self._spec())
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    # Partitioned optimizers hold MaskedNode placeholders where a group does
+    # not apply; they stay placeholders.
+    return optax.tree_map_params(
+        self.opt, lambda x, spec: x if masked(x) else spec, opt_state, specs,
+        transform_non_params=lambda _: self._spec(), is_leaf=masked)
 
   def batch_sharding(self) -> NamedSharding:
     """Sharding of a [M, B/M, seq] token batch: rows split over 'data'."""
@@ -165,11 +169,41 @@ class Schedule:
            token_dtype=jnp.int32) -> State:
     """Places `params` on the mesh and builds the initial training state.
 
+    One jitted function makes the whole state directly in its shardings.
+
     Args:
       params: the model's parameters ('blocks' stacked on a leading axis).
       batch_shape: (M, B/M, seq) of the global batches `step` will receive.
+      token_dtype: dtype of the token batches.
     """
-    raise NotImplementedError
+    fn = functools.partial(self._init_fn, batch_shape=tuple(batch_shape),
+                           token_dtype=token_dtype)
+    abstract = jax.eval_shape(fn, params)
+    return jax.jit(fn, out_shardings=self._state_shardings(abstract))(params)
+
+  def _init_fn(self, params, *, batch_shape, token_dtype) -> State:
+    del batch_shape, token_dtype
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt_state": self.opt.init(params)}
+
+  def _state_shardings(self, state: State) -> Tree:
+    """Shardings of every entry of a (possibly abstract) state."""
+    out = {}
+    for key, value in state.items():
+      if key == "params":
+        out[key] = self.param_shardings(value)
+      elif key == "versions":
+        out[key] = self.param_shardings(value, version_axis=True)
+      elif key == "opt_state":
+        params = state["params"] if "params" in state else state["versions"]  # structure only
+        out[key] = self.opt_shardings(params, value)
+      elif key in ("prev_tokens", "prev_targets"):
+        out[key] = self.batch_sharding()
+      elif key == "step":
+        out[key] = self._spec()
+      else:  # in-flight per-device buffers, [stage, data, ...]
+        out[key] = jax.tree.map(lambda _: self._spec(STAGE, DATA), value)
+    return out
 
   def params(self, state: State) -> Tree:
     """The newest weights (those the next batch runs on), natural shapes."""
@@ -219,14 +253,6 @@ class NoPipeline(Schedule):
 
   name = "none"
   pipelined = False
-
-  def init(self, params, batch_shape=None, token_dtype=jnp.int32):
-    del batch_shape, token_dtype
-    params = jax.device_put(params, self.param_shardings(params))
-    opt_state = jax.jit(self.opt.init)(params)
-    opt_state = jax.device_put(opt_state, self.opt_shardings(params, opt_state))
-    step = jax.device_put(jnp.zeros((), jnp.int32), self._spec())
-    return {"step": step, "params": params, "opt_state": opt_state}
 
   def _grads(self, params, tokens, targets):
     loss_fn = _full_loss(self.fns)
@@ -342,9 +368,6 @@ class GPipe(_Pipelined):
 
   name = "gpipe"
 
-  def init(self, params, batch_shape=None, token_dtype=jnp.int32):
-    return NoPipeline.init(self, params)
-
   def _step_fn(self, state, tokens, targets):
     blocks, shared = split_params(state["params"])
     x_like = self._act_like(shared, self._local_mb(tokens))
@@ -374,9 +397,6 @@ class OneFOneB(_Pipelined):
 
   name = "1f1b"
 
-  def init(self, params, batch_shape=None, token_dtype=jnp.int32):
-    return NoPipeline.init(self, params)
-
   def _step_fn(self, state, tokens, targets):
     blocks, shared = split_params(state["params"])
     versions = jax.tree.map(lambda x: x[None], (blocks, shared))
@@ -400,16 +420,12 @@ class PipeDream(_Pipelined):
 
   name = "pipedream"
 
-  def init(self, params, batch_shape=None, token_dtype=jnp.int32):
+  def _init_fn(self, params, *, batch_shape, token_dtype):
     del batch_shape, token_dtype
     s = self.num_stages
     versions = jax.tree.map(lambda x: jnp.broadcast_to(x, (s,) + x.shape), params)
-    versions = jax.device_put(versions, self.param_shardings(params, version_axis=True))
-    params = jax.device_put(params, self.param_shardings(params))
-    opt_state = jax.jit(self.opt.init)(params)
-    opt_state = jax.device_put(opt_state, self.opt_shardings(params, opt_state))
-    step = jax.device_put(jnp.zeros((), jnp.int32), self._spec())
-    return {"step": step, "versions": versions, "opt_state": opt_state}
+    return {"step": jnp.zeros((), jnp.int32), "versions": versions,
+            "opt_state": self.opt.init(params)}
 
   def params(self, state):
     return _pick(state["versions"], state["step"] % self.num_stages)
@@ -446,34 +462,27 @@ class TwoBW(_Pipelined):
   name = "2bw"
   loss_lag = 1
 
-  def init(self, params, batch_shape, token_dtype=jnp.int32):
-    """Initial state for [M, B/M, seq] batches: two copies of v[0], empty pipeline."""
+  def _init_fn(self, params, *, batch_shape, token_dtype):
+    """Two copies of v[0], an empty pipeline, zero batches in the batch slots."""
     m, b, t = batch_shape
-    versions = jax.tree.map(lambda x: jnp.broadcast_to(x, (2,) + x.shape), params)
-    versions = jax.device_put(versions, self.param_shardings(params, version_axis=True))
-    params_placed = jax.device_put(params, self.param_shardings(params))
-    opt_state = jax.jit(self.opt.init)(params_placed)
-    opt_state = jax.device_put(opt_state, self.opt_shardings(params_placed, opt_state))
     blocks, shared = split_params(params)
     x = self._act_like(shared, jax.ShapeDtypeStruct((b // self.num_data, t), token_dtype))
     s_, d_ = self.num_stages, self.num_data
     ring = 2 * (s_ - 1) + 1
-    dev = self._spec(STAGE, DATA)
-    zeros = lambda shape, dtype: jax.device_put(jnp.zeros((s_, d_) + tuple(shape), dtype), dev)
-    acc_blocks = jax.tree.map(lambda v: zeros((v.shape[0] // s_,) + v.shape[1:], v.dtype), blocks)
-    acc_shared = jax.tree.map(lambda v: zeros(v.shape, v.dtype), shared)
-    batch = lambda: jax.device_put(jnp.zeros((m, b, t), token_dtype), self.batch_sharding())
+    zeros = lambda shape, dtype: jnp.zeros((s_, d_) + tuple(shape), dtype)
     return {
-        "step": jax.device_put(jnp.zeros((), jnp.int32), self._spec()),
-        "versions": versions,
-        "opt_state": opt_state,
-        "acc": merge_params(acc_blocks, acc_shared),
+        "step": jnp.zeros((), jnp.int32),
+        "versions": jax.tree.map(lambda v: jnp.broadcast_to(v, (2,) + v.shape), params),
+        "opt_state": self.opt.init(params),
+        "acc": merge_params(
+            jax.tree.map(lambda v: zeros((v.shape[0] // s_,) + v.shape[1:], v.dtype), blocks),
+            jax.tree.map(lambda v: zeros(v.shape, v.dtype), shared)),
         "loss": zeros((), jnp.float32),
         "stash": zeros((ring,) + x.shape, x.dtype),
         "fwd_buf": zeros(x.shape, x.dtype),
         "bwd_buf": zeros(x.shape, x.dtype),
-        "prev_tokens": batch(),
-        "prev_targets": batch(),
+        "prev_tokens": jnp.zeros((m, b, t), token_dtype),
+        "prev_targets": jnp.zeros((m, b, t), token_dtype),
     }
 
   def params(self, state):

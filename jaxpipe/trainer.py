@@ -1,0 +1,420 @@
+"""The training loop: joins config, data, model, optimizer, schedule and checkpoints.
+
+`build(cfg)` makes every piece of a run from its config; `train(cfg)` runs it:
+resume or start, then per step fetch a batch, run the schedule's jitted step,
+log, evaluate, checkpoint; stop cleanly on SIGTERM/SIGINT; guard against
+non-finite values. The loop is short on purpose; the work lives in the
+packages it calls.
+
+Files in `run.dir`:
+  config.yaml    the resolved config (and the git commit that ran it)
+  metrics.jsonl  {"step", "loss", "lr", "tokens", "step_time_s", ...} per batch,
+                 {"step", "val_loss"} per evaluation (step = updates done)
+  tb/            TensorBoard event files with the same scalars
+  checkpoints/   orbax checkpoints (see jaxpipe.checkpoint)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from jaxpipe import config as config_lib
+from jaxpipe import data as data_lib
+from jaxpipe import model as model_lib
+from jaxpipe import optim
+from jaxpipe.checkpoint import Checkpointer, check_compatible
+from jaxpipe.config import Config
+from jaxpipe.errors import CheckpointError, ConfigError, DataError
+from jaxpipe.pipeline import Schedule, StageFns, make_mesh, make_schedule
+
+__all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED"]
+
+EXIT_NONFINITE = 3          # stopped on a non-finite loss or gradient (nan_policy=stop)
+EXIT_INTERRUPTED = 128      # plus the signal number (130 for Ctrl-C, 143 for SIGTERM)
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything a run is made of, built from its config by `build`."""
+  cfg: Config
+  data: data_lib.TokenData
+  model: model_lib.Model
+  fns: StageFns
+  optimizer: Any
+  lr_schedule: Callable[[int], Any]
+  mesh: jax.sharding.Mesh
+  schedule: Schedule
+
+  @property
+  def batch_shape(self) -> tuple[int, int, int]:
+    """(M, B/M, seq) of a global batch."""
+    m = self.cfg.pipeline.microbatches
+    return (m, self.cfg.data.batch_size // m, self.cfg.data.seq_len)
+
+
+def open_data(cfg: Config) -> data_lib.TokenData:
+  """Opens `data.path`, or the embedded corpus (built into the cache on first use)."""
+  path = cfg.data.path or data_lib.prepare_embedded(cfg.data.corpus, cfg.data.tokenizer,
+                                                    cfg.data.cache_dir)
+  data = data_lib.open_tokens(path)
+  for split in ("train", "val"):
+    if split not in data.split_names:
+      raise DataError(f"{data.path}: the dataset has no '{split}' split; rebuild it with "
+                      "tools/prepare_data.py (it writes train and val)")
+    data.num_sequences(split, cfg.data.seq_len)
+  return data
+
+
+def resolve_model(cfg: Config, data: data_lib.TokenData) -> Config:
+  """Fills model.vocab_size from the data; refuses a model vocabulary that is too small."""
+  vocab = cfg.model.vocab_size or data.vocab_size
+  if vocab < data.vocab_size:
+    raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
+                      f"({data.vocab_size}, tokenizer {data.tokenizer}); set model.vocab_size=0")
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+
+
+def build(cfg: Config, devices=None) -> Run:
+  """Builds data, model, optimizer, mesh and schedule from a validated config."""
+  data = open_data(cfg)
+  cfg = resolve_model(cfg, data)
+  model = model_lib.build(cfg.model)
+  fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=model.head_loss)
+  optimizer = optim.build(cfg.optimizer, cfg.run.steps)
+  lr_schedule = jax.jit(optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps))
+  p = cfg.pipeline
+  devices = jax.devices() if devices is None else devices
+  if p.stages * cfg.mesh.data > len(devices):
+    raise ConfigError(
+        f"the mesh needs pipeline.stages x mesh.data = {p.stages} x {cfg.mesh.data} = "
+        f"{p.stages * cfg.mesh.data} devices but {len(devices)} "
+        f"{devices[0].platform.upper()} devices are available; lower pipeline.stages or mesh.data")
+  mesh = make_mesh(p.stages, cfg.mesh.data, devices)
+  schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches)
+  return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
+
+
+def _git_commit() -> str:
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                         text=True, timeout=5)
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+
+
+def _rows_of_process(sharding: jax.sharding.NamedSharding, shape) -> tuple[int, int]:
+  """(shard_index, shard_count) of the row blocks this process's devices hold."""
+  rows = shape[1]
+  starts = sorted({idx[1].start or 0 for idx in
+                   sharding.addressable_devices_indices_map(shape).values()})
+  stops = sorted({idx[1].stop or rows for idx in
+                  sharding.addressable_devices_indices_map(shape).values()})
+  lo, hi = starts[0], stops[-1]
+  size = hi - lo
+  if rows % size or lo % size:
+    raise ConfigError("this process's devices hold rows that are not one aligned block of "
+                      "the batch; use a mesh whose 'data' axis splits evenly over processes")
+  return lo // size, rows // size
+
+
+class _Metrics:
+  """metrics.jsonl (process 0 only) and TensorBoard scalars."""
+
+  def __init__(self, run_dir: str, start_step: int, lag: int, enabled: bool):
+    self.enabled = enabled
+    self.path = os.path.join(run_dir, "metrics.jsonl")
+    self._tb = None
+    if not enabled:
+      return
+    self._truncate(start_step, lag)
+    self._file = open(self.path, "a")
+    try:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step or None)
+    except ImportError:
+      self._tb = None
+
+  def _truncate(self, start_step: int, lag: int) -> None:
+    # A resumed run rewrites what came after its checkpoint: training records
+    # of batches it will report again, evaluations it will repeat.
+    if not os.path.exists(self.path):
+      return
+    keep = []
+    with open(self.path) as f:
+      for line in f:
+        try:
+          rec = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # a line cut short by a kill
+        if "val_loss" in rec and rec["step"] <= start_step:
+          keep.append(line)
+        elif "loss" in rec and rec["step"] < start_step - lag:
+          keep.append(line)
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(l if l.endswith("\n") else l + "\n" for l in keep)
+    os.replace(tmp, self.path)
+
+  def write(self, record: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    # JSON has no NaN: a non-finite value is written as null.
+    record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+              for k, v in record.items()}
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)):
+          group = "val" if key.startswith("val") else "train"
+          self._tb.add_scalar(f"{group}/{key}", value, record["step"])
+
+  def close(self) -> None:
+    if self.enabled:
+      self._file.close()
+      if self._tb is not None:
+        self._tb.close()
+
+
+def _meta(cfg: Config, step: int) -> dict[str, Any]:
+  return {"config": config_lib.to_dict(cfg), "step": step, "jaxpipe_commit": _git_commit()}
+
+
+def _say(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[str, Any]:
+  """Trains according to `cfg`; returns a summary dict (and writes run.dir).
+
+  Resumes from the newest checkpoint in `run.dir` if there is one (with a
+  compatible config); `require_resume` makes a missing checkpoint an error.
+  Raises InputError subclasses for bad input; returns with summary
+  ["exit_code"] 0, EXIT_NONFINITE or EXIT_INTERRUPTED+signal.
+  """
+  run = build(cfg, devices)
+  cfg = run.cfg
+  is_main = jax.process_index() == 0
+  run_dir = cfg.run.dir
+  metrics_path = os.path.join(run_dir, "metrics.jsonl")
+  os.makedirs(run_dir, exist_ok=True)
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
+                      async_save=cfg.checkpoint.async_save)
+  latest = ckpt.latest_step()
+  if latest is None:
+    if require_resume:
+      raise CheckpointError(f"--resume: no checkpoint in {ckpt.directory}")
+    if os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0:
+      raise CheckpointError(
+          f"{run_dir} holds metrics of an earlier run but no checkpoint to resume from; "
+          "choose a new run.dir, or delete that directory to start over")
+  else:
+    meta = ckpt.read_meta(latest)
+    check_compatible(meta.get("config", {}), config_lib.to_dict(cfg), ckpt.directory)
+
+  schedule, lag = run.schedule, run.schedule.loss_lag
+  batch_shape = run.batch_shape
+  params = jax.jit(run.model.init)(jax.random.key(cfg.run.seed))
+  state = schedule.init(params, batch_shape)
+  del params
+  rng = jax.random.key_data(jax.random.key(cfg.run.seed))
+
+  sharding = schedule.batch_sharding()
+  global_shape = batch_shape
+  shard_index, shard_count = _rows_of_process(sharding, global_shape)
+  it = data_lib.train_iterator(
+      run.data, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
+      num_microbatches=cfg.pipeline.microbatches, seed=cfg.run.seed,
+      shard_index=shard_index, shard_count=shard_count)
+  start = 0
+  if latest is not None:
+    (state, rng), data_state, _ = ckpt.restore(latest, (state, rng))
+    it.set_state(data_state)
+    start = latest
+    if is_main:
+      _say(f"resuming from {ckpt.directory}/{latest} (step {latest} of {cfg.run.steps})")
+  if is_main:
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+      f.write(f"# jaxpipe resolved config; commit {_git_commit()}\n")
+      yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
+
+  def to_global(x: np.ndarray) -> jax.Array:
+    return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+  eval_sets = [
+      (to_global(b["tokens"]), to_global(b["targets"])) for b in data_lib.eval_batches(
+          run.data, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
+          num_microbatches=cfg.pipeline.microbatches, num_batches=cfg.eval.batches,
+          shard_index=shard_index, shard_count=shard_count)]
+
+  def evaluate(st) -> Optional[float]:
+    if not eval_sets:
+      return None
+    return float(np.mean([float(schedule.eval_loss(st, *b)) for b in eval_sets]))
+
+  log = _Metrics(run_dir, start, lag, is_main)
+  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+  step_times: dict[int, float] = {}
+  summary: dict[str, Any] = {"exit_code": 0, "skipped": 0, "start_step": start}
+  first_val = None
+  if start == 0 and eval_sets:
+    first_val = evaluate(state)
+    log.write({"step": 0, "val_loss": first_val})
+
+  def record(k: int, loss: float, extra: dict[str, Any]) -> None:
+    rec = {"step": k, "loss": loss, "lr": float(run.lr_schedule(k)),
+           "tokens": (k + 1) * tokens_per_step, "step_time_s": step_times.pop(k, None)}
+    rec.update(extra)
+    log.write(rec)
+    summary["train_loss"] = loss
+    summary["train_loss_step"] = k
+
+  stop_signal = []
+
+  def on_signal(signum, frame):
+    del frame
+    if stop_signal:  # a second signal: stop now
+      raise KeyboardInterrupt
+    stop_signal.append(signum)
+
+  handlers = {}
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    try:
+      handlers[sig] = signal.signal(sig, on_signal)
+    except ValueError:  # not the main thread: leave signals alone
+      pass
+
+  bar = None
+  if is_main and cfg.run.progress:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(total=cfg.run.steps, initial=start, unit="step", dynamic_ncols=True,
+               file=sys.stderr, desc=f"{cfg.pipeline.schedule}")
+
+  saved_at = latest
+  steady = [0, 0.0]  # steps after the first, and their seconds
+  t_run = time.time()
+  step = start
+  try:
+    for step in range(start, cfg.run.steps):
+      batch = next(it)
+      tokens, targets = to_global(batch["tokens"]), to_global(batch["targets"])
+      t0 = time.time()
+      state, met = schedule.step(state, tokens, targets)
+      met = jax.device_get(met)  # waits for the step: the host reads its loss
+      step_times[step] = time.time() - t0
+      if step > start:  # the first step of a process includes compilation
+        steady[0] += 1
+        steady[1] += step_times[step]
+      k = int(met["loss_step"])
+      if not bool(met["finite"]):
+        where = _where_nonfinite(met, schedule.num_stages)
+        batch_k = step - lag
+        if cfg.run.nan_policy == "stop":
+          ckpt.save(step + 1, (state, rng), it.get_state(), _meta(cfg, step + 1))
+          ckpt.wait()
+          saved_at = step + 1
+          _say(f"stopped: non-finite loss or gradient of batch {batch_k} (step {step}) {where}; "
+               f"the last good state is saved as step {step + 1} in {ckpt.directory}")
+          summary["exit_code"] = EXIT_NONFINITE
+          break
+        summary["skipped"] += 1
+        _say(f"skipped the update of step {step}: non-finite loss or gradient of batch "
+             f"{batch_k} {where} ({summary['skipped']} skipped so far)")
+      if k >= 0:
+        record(k, float(met["loss"]), {"grad_norm": float(met["grad_norm"]),
+                                       "skipped": summary["skipped"]})
+      if bar is not None:
+        if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
+          bar.set_postfix(loss=f"{float(met['loss']):.4f}",
+                          tok_s=f"{tokens_per_step / max(step_times.get(step, 1e-9), 1e-9):.0f}"
+                          if step in step_times else "")
+        bar.update(1)
+      done = step + 1
+      if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
+        log.write({"step": done, "val_loss": evaluate(state)})
+      if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.run.steps:
+        ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
+        saved_at = done
+      if stop_signal:
+        if saved_at != done:
+          ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
+        ckpt.wait()
+        saved_at = done
+        name = signal.Signals(stop_signal[0]).name
+        _say(f"interrupted by {name} after step {done} of {cfg.run.steps}: checkpoint saved in "
+             f"{ckpt.directory}; run the same command to resume")
+        summary["exit_code"] = EXIT_INTERRUPTED + stop_signal[0]
+        break
+    else:
+      done = cfg.run.steps
+      if done > start or saved_at != done:
+        pending = schedule.pending_loss(state)
+        if pending is not None:
+          record(done - 1, float(pending), {"skipped": summary["skipped"]})
+        val = evaluate(state)
+        if val is not None:
+          log.write({"step": done, "val_loss": val})
+          summary["val_loss"] = val
+        if saved_at != done:
+          ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
+  finally:
+    if bar is not None:
+      bar.close()
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
+    ckpt.close()
+    log.close()
+
+  elapsed = time.time() - t_run
+  summary.update({"steps": cfg.run.steps, "elapsed_s": elapsed, "first_val_loss": first_val,
+                  "tokens_per_s": steady[0] * tokens_per_step / steady[1] if steady[1] else 0.0,
+                  "state": state, "run": run})
+  return summary
+
+
+def _where_nonfinite(met: dict[str, Any], num_stages: int) -> str:
+  bad = [s for s in range(num_stages) if not bool(np.asarray(met["stage_finite"])[s])]
+  parts = []
+  if bad:
+    parts.append("in the blocks of stage " + ", ".join(map(str, bad)))
+  if not bool(met["shared_finite"]):
+    parts.append("in the embedding/head parameters (stage 0 / stage "
+                 f"{num_stages - 1})")
+  if not parts:
+    parts.append("in the loss")
+  return " and ".join(parts)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  """The one-line end-of-run summary."""
+  cfg = summary["run"].cfg
+  parts = [f"jaxpipe {cfg.pipeline.schedule}",
+           f"S={cfg.pipeline.stages} D={cfg.mesh.data} M={cfg.pipeline.microbatches}",
+           f"{cfg.optimizer.name}"]
+  if "train_loss" in summary:
+    parts.append(f"train loss {summary['train_loss']:.4f} (batch {summary['train_loss_step']})")
+  if summary.get("val_loss") is not None:
+    first = summary.get("first_val_loss")
+    parts.append(f"val loss {summary['val_loss']:.4f}"
+                 + (f" (from {first:.4f})" if first is not None else ""))
+  parts.append(f"{summary['elapsed_s']:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s "
+               "after compilation")
+  if summary["skipped"]:
+    parts.append(f"{summary['skipped']} updates skipped")
+  parts.append(f"run dir {cfg.run.dir}")
+  return " | ".join(parts)

@@ -1,0 +1,170 @@
+"""End-to-end runs of train.py on the tiny config: the contract of DESIGN.md section 4."""
+
+import glob
+import os
+import signal
+
+import numpy as np
+import pytest
+import yaml
+
+from tests import _runs
+
+CONFIGS = sorted(glob.glob(os.path.join(_runs.ROOT, "configs", "*.yaml")))
+PIPE = ("pipeline.schedule=2bw", "pipeline.stages=2", "mesh.data=2", "optimizer.name=muon",
+        "optimizer.lr=0.02", "optimizer.error_feedback=1")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(c) for c in CONFIGS])
+def test_every_config_parses(path):
+  from jaxpipe import config
+  cfg = config.load(path)
+  assert cfg.run.steps >= 1
+  with open(path) as f:
+    assert set(yaml.safe_load(f)) <= set(config.to_dict(cfg))
+
+
+def test_pulse(tmp_path, cache):
+  """Two steps write config, metrics, a checkpoint and a summary line."""
+  run_dir = str(tmp_path / "run")
+  p = _runs.run(run_dir, "run.steps=2", cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  assert "jaxpipe none" in p.stdout and "val loss" in p.stdout
+  recs = _runs.records(run_dir)
+  train = [r for r in recs if "loss" in r]
+  assert [r["step"] for r in train] == [0, 1]
+  for r in train:
+    assert set(r) >= {"step", "loss", "lr", "tokens", "step_time_s"}
+    assert np.isfinite(r["loss"]) and r["loss"] > 0
+  assert train[1]["tokens"] == 2 * 8 * 32
+  assert sorted(_runs.val_losses(run_dir)) == [0, 2]
+  with open(os.path.join(run_dir, "config.yaml")) as f:
+    text = f.read()
+  assert text.startswith("# jaxpipe resolved config; commit ")
+  assert yaml.safe_load(text)["model"]["vocab_size"] == 257  # resolved from the byte corpus
+  assert _runs.checkpoints(run_dir) == [2]
+  assert os.listdir(os.path.join(run_dir, "tb"))
+
+
+def test_data_parallel_matches_one_device(tmp_path, cache):
+  """mesh.data=2 on two emulated devices gives the one-device losses."""
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  assert _runs.run(one, "run.steps=10", cache_dir=cache).returncode == 0
+  p = _runs.run(two, "run.steps=10", "mesh.data=2", cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  assert "emulating 2 devices" in p.stderr
+  a, b = _runs.train_losses(one), _runs.train_losses(two)
+  assert sorted(a) == sorted(b) == list(range(10))
+  np.testing.assert_allclose([b[k] for k in range(10)], [a[k] for k in range(10)],
+                             rtol=2e-6, atol=0)
+  np.testing.assert_allclose(list(_runs.val_losses(two).values()),
+                             list(_runs.val_losses(one).values()), rtol=2e-6)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+  """An uninterrupted 2bw run (Muon, error feedback) of 30 steps."""
+  run_dir = str(tmp_path_factory.mktemp("reference"))
+  p = _runs.run(run_dir, "run.steps=30", "checkpoint.every=3", *PIPE, cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  return _runs.train_losses(run_dir), _runs.val_losses(run_dir)
+
+
+def _assert_same_run(run_dir, reference):
+  losses, vals = reference
+  got = _runs.train_losses(run_dir)
+  assert sorted(got) == list(range(30))
+  # The resumed run must be the uninterrupted one, bit for bit.
+  assert [got[k] for k in range(30)] == [losses[k] for k in range(30)]
+  assert _runs.val_losses(run_dir)[30] == vals[30]
+
+
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, reference):
+  run_dir = str(tmp_path / "killed")
+  proc = _runs.start(run_dir, "run.steps=30", "checkpoint.every=3", *PIPE, cache_dir=cache)
+  try:
+    assert _runs.wait_for(lambda: _runs.checkpoints(run_dir)), "no checkpoint appeared"
+    _runs.kill(proc, signal.SIGKILL)
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == -signal.SIGKILL
+  done = _runs.train_losses(run_dir)
+  assert len(done) < 30, "the run finished before it could be killed"
+  p = _runs.run(run_dir, "run.steps=30", "checkpoint.every=3", *PIPE, cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  assert "resuming from" in p.stderr
+  _assert_same_run(run_dir, reference)
+
+
+def test_sigterm_saves_and_resumes_exactly(tmp_path, cache, reference):
+  run_dir = str(tmp_path / "preempted")
+  proc = _runs.start(run_dir, "run.steps=30", "checkpoint.every=3", *PIPE, cache_dir=cache)
+  try:
+    assert _runs.wait_for(lambda: len(_runs.train_losses(run_dir)) >= 2)
+    _runs.kill(proc, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "interrupted by SIGTERM" in err and "Traceback" not in err
+  stopped_at = _runs.checkpoints(run_dir)[-1]
+  assert 0 < stopped_at < 30
+  p = _runs.run(run_dir, "run.steps=30", "checkpoint.every=3", *PIPE, cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  _assert_same_run(run_dir, reference)
+
+
+def test_larger_steps_continue_a_finished_run(tmp_path, cache, reference):
+  run_dir = str(tmp_path / "continued")
+  assert _runs.run(run_dir, "run.steps=12", *PIPE, cache_dir=cache).returncode == 0
+  p = _runs.run(run_dir, "run.steps=30", *PIPE, cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  # tiny.yaml's learning rate is constant, so the continued run is the 30-step one.
+  _assert_same_run(run_dir, reference)
+
+
+BAD = [
+    (["model.bogus=1"], "model.bogus"),
+    (["run.steps=abc"], "run.steps"),
+    (["optimizer.lr=fast"], "optimizer.lr"),
+    (["data.path=/nonexistent/tokens"], "/nonexistent/tokens"),
+    (["pipeline.schedule=gpipe", "pipeline.stages=3"], "pipeline.stages=3"),
+    (["pipeline.microbatches=3"], "pipeline.microbatches=3"),
+    (["mesh.data=3"], "mesh.data=3"),
+    (["pipeline.schedule=2bw", "pipeline.stages=4", "pipeline.microbatches=4",
+      "data.batch_size=16"], "2*(stages-1) = 6"),
+    (["pipeline.schedule=gpipe", "pipeline.stages=4", "mesh.data=4", "data.batch_size=32"],
+     "16 devices"),
+]
+
+
+@pytest.mark.parametrize("overrides,named", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_exits_2_with_one_line(tmp_path, cache, overrides, named):
+  run_dir = tmp_path / "run"
+  p = _runs.run(str(run_dir), *overrides, cache_dir=cache)
+  assert p.returncode == 2
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+  assert named in lines[0]
+  assert not run_dir.exists()
+
+
+def test_mismatched_resume_is_refused_and_nothing_is_lost(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  assert _runs.run(run_dir, "run.steps=2", cache_dir=cache).returncode == 0
+  before = {p: open(p, "rb").read() for p in glob.glob(run_dir + "/**", recursive=True)
+            if os.path.isfile(p)}
+  p = _runs.run(run_dir, "run.steps=4", "model.dim=64", cache_dir=cache)
+  assert p.returncode == 2
+  assert "model.dim: 32 -> 64" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+  after = {p: open(p, "rb").read() for p in glob.glob(run_dir + "/**", recursive=True)
+           if os.path.isfile(p)}
+  assert after == before
