@@ -39,6 +39,7 @@ class RunConfig:
   log_every: int = 1             # steps between progress-bar refreshes
   progress: bool = True          # show a progress bar on stderr
   nan_policy: str = "skip"       # non-finite loss/grad: skip the update, or stop
+  debug_nan_step: int = -1       # fault injection: make batch k's loss NaN (-1 = never)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,7 +92,15 @@ def build(cfg: Config, devices=None) -> Run:
   data = open_data(cfg)
   cfg = resolve_model(cfg, data)
   model = model_lib.build(cfg.model)
-  fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=model.head_loss)
+  head = model.head_loss
+  if cfg.run.debug_nan_step >= 0:
+    # Fault injection for the non-finite guard: the trainer marks the chosen
+    # batch with negative targets, whose loss then becomes NaN.
+    def head(shared, x, targets):
+      poisoned = jnp.any(targets < 0)
+      return jnp.where(poisoned, jnp.nan, 1.0) * model.head_loss(shared, x,
+                                                                 jnp.maximum(targets, 0))
+  fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=head)
   optimizer = optim.build(cfg.optimizer, cfg.run.steps)
   lr_schedule = jax.jit(optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps))
   p = cfg.pipeline
@@ -312,6 +320,8 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   try:
     for step in range(start, cfg.run.steps):
       batch = next(it)
+      if step == cfg.run.debug_nan_step:
+        batch["targets"] = np.full_like(batch["targets"], -1)
       tokens, targets = to_global(batch["tokens"]), to_global(batch["targets"])
       t0 = time.time()
       state, met = schedule.step(state, tokens, targets)
@@ -321,7 +331,13 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
         steady[0] += 1
         steady[1] += step_times[step]
       k = int(met["loss_step"])
-      if not bool(met["finite"]):
+      finite = bool(met["finite"])
+      if not finite and cfg.run.nan_policy == "skip":
+        summary["skipped"] += 1
+      if k >= 0:
+        record(k, float(met["loss"]), {"grad_norm": float(met["grad_norm"]),
+                                       "skipped": summary["skipped"]})
+      if not finite:
         where = _where_nonfinite(met, schedule.num_stages)
         batch_k = step - lag
         if cfg.run.nan_policy == "stop":
@@ -332,12 +348,8 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
                f"the last good state is saved as step {step + 1} in {ckpt.directory}")
           summary["exit_code"] = EXIT_NONFINITE
           break
-        summary["skipped"] += 1
         _say(f"skipped the update of step {step}: non-finite loss or gradient of batch "
              f"{batch_k} {where} ({summary['skipped']} skipped so far)")
-      if k >= 0:
-        record(k, float(met["loss"]), {"grad_norm": float(met["grad_norm"]),
-                                       "skipped": summary["skipped"]})
       if bar is not None:
         if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
           bar.set_postfix(loss=f"{float(met['loss']):.4f}",

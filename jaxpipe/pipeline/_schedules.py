@@ -159,7 +159,7 @@ class Schedule:
     layer_ok = jnp.stack([jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
                           for x in jax.tree.leaves(blocks)]).all(axis=0)  # [L]
     stage_ok = layer_ok.reshape(self.num_stages, -1).all(axis=1)          # [S]
-    return {"loss": loss, "loss_step": loss_step, "grad_norm": optax.global_norm(grads),
+    return {"loss": loss, "loss_step": loss_step, "grad_norm": optax.tree.norm(grads),
             "finite": finite & jnp.isfinite(loss), "stage_finite": stage_ok,
             "shared_finite": _all_finite(shared)}
 
