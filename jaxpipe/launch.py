@@ -2,14 +2,13 @@
 
 `prepare_devices` must run before JAX initialises its backend (it sets
 XLA_FLAGS); `start` then joins a multi-process run when the config or the
-environment asks for one, and says when the mesh runs on emulated CPU devices.
+environment asks for one, and checks that the mesh's devices exist.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 
 from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
@@ -60,7 +59,7 @@ def prepare_devices(cfg: Config) -> None:
 
 
 def start(cfg: Config) -> None:
-  """Initialises `jax.distributed` for multi-process runs; reports CPU emulation."""
+  """Initialises `jax.distributed` for multi-process runs; checks the device count."""
   coordinator, num, pid = distributed_settings(cfg)
   import jax  # pylint: disable=g-import-not-at-top
   if num > 1:
@@ -75,7 +74,3 @@ def start(cfg: Config) -> None:
         f"the mesh needs pipeline.stages x mesh.data = {cfg.pipeline.stages} x {cfg.mesh.data} = "
         f"{need} devices but {jax.device_count()} {jax.default_backend().upper()} devices are "
         "available; lower pipeline.stages or mesh.data")
-  if jax.default_backend() == "cpu" and jax.process_index() == 0:
-    if need > 1:
-      print(f"no accelerator found: emulating {need} devices on the CPU "
-            f"({jax.local_device_count()} per process)", file=sys.stderr, flush=True)

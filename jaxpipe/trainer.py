@@ -235,6 +235,10 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
     meta = ckpt.read_meta(latest)
     check_compatible(meta.get("config", {}), config_lib.to_dict(cfg), ckpt.directory)
 
+  need = cfg.pipeline.stages * cfg.mesh.data
+  if is_main and need > 1 and jax.default_backend() == "cpu":
+    _say(f"no accelerator found: emulating {need} devices on the CPU "
+         f"({jax.local_device_count()} per process)")
   schedule, lag = run.schedule, run.schedule.loss_lag
   batch_shape = run.batch_shape
   params = jax.jit(run.model.init)(jax.random.key(cfg.run.seed))
