@@ -45,7 +45,8 @@ def main(argv=None) -> int:
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(trainer.format_summary(summary), flush=True)
+  if summary["is_main"]:
+    print(trainer.format_summary(summary), flush=True)
   return summary["exit_code"]
 
 

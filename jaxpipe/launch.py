@@ -22,17 +22,22 @@ def distributed_settings(cfg: Config) -> tuple[str, int, int]:
   """(coordinator, num_processes, process_id) from the config, else the environment.
 
   The environment variables are JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-  JAX_PROCESS_ID; a config value other than its default wins.
+  JAX_PROCESS_ID (or SLURM's SLURM_NTASKS and SLURM_PROCID, in which case an
+  empty coordinator lets JAX find it); a config value other than its default wins.
   """
   d = cfg.dist
   env = os.environ
   coordinator = d.coordinator or env.get("JAX_COORDINATOR_ADDRESS", "")
   try:
-    num = d.num_processes if d.num_processes != 1 else int(env.get("JAX_NUM_PROCESSES", "1"))
-    pid = d.process_id if d.process_id != 0 else int(env.get("JAX_PROCESS_ID", "0"))
+    num = d.num_processes if d.num_processes != 1 else int(
+        env.get("JAX_NUM_PROCESSES", env.get("SLURM_NTASKS", "1")))
+    pid = d.process_id if d.process_id != 0 else int(
+        env.get("JAX_PROCESS_ID", env.get("SLURM_PROCID", "0")))
   except ValueError:
-    raise ConfigError("JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers") from None
-  if num > 1 and not coordinator:
+    raise ConfigError("JAX_NUM_PROCESSES / SLURM_NTASKS and JAX_PROCESS_ID / SLURM_PROCID "
+                      "must be integers") from None
+  # Under SLURM, jax.distributed finds the coordinator from the job's node list.
+  if num > 1 and not coordinator and "SLURM_JOB_ID" not in env:
     raise ConfigError(f"dist.num_processes={num} needs dist.coordinator=host:port "
                       "(or JAX_COORDINATOR_ADDRESS)")
   if not 0 <= pid < num:
@@ -66,8 +71,11 @@ def start(cfg: Config) -> None:
     if jax.config.jax_platforms in (None, "", "cpu") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
       # Cross-process collectives on CPU devices go through gloo.
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                               process_id=pid)
+    if coordinator:
+      jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
+                                 process_id=pid)
+    else:
+      jax.distributed.initialize()  # SLURM: everything from the job's environment
   need = cfg.pipeline.stages * cfg.mesh.data
   if need > jax.device_count():
     raise ConfigError(

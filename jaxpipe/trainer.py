@@ -244,7 +244,9 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   params = jax.jit(run.model.init)(jax.random.key(cfg.run.seed))
   state = schedule.init(params, batch_shape)
   del params
-  rng = jax.random.key_data(jax.random.key(cfg.run.seed))
+  # The run's RNG key, replicated over the mesh like the step counter.
+  rng = jax.make_array_from_process_local_data(
+      schedule.replicated(), np.asarray(jax.random.key_data(jax.random.key(cfg.run.seed))))
 
   sharding = schedule.batch_sharding()
   global_shape = batch_shape
@@ -282,14 +284,16 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   log = _Metrics(run_dir, start, lag, is_main)
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   step_times: dict[int, float] = {}
-  summary: dict[str, Any] = {"exit_code": 0, "skipped": 0, "start_step": start}
+  summary: dict[str, Any] = {"exit_code": 0, "skipped": 0, "start_step": start,
+                             "is_main": is_main}
   first_val = None
   if start == 0 and eval_sets:
     first_val = evaluate(state)
     log.write({"step": 0, "val_loss": first_val})
 
   def record(k: int, loss: float, extra: dict[str, Any]) -> None:
-    rec = {"step": k, "loss": loss, "lr": float(run.lr_schedule(k)),
+    # The rate comes out of float32 arithmetic: print its 7 significant digits.
+    rec = {"step": k, "loss": loss, "lr": float(f"{float(run.lr_schedule(k)):.7g}"),
            "tokens": (k + 1) * tokens_per_step, "step_time_s": step_times.pop(k, None)}
     rec.update(extra)
     log.write(rec)

@@ -137,6 +137,10 @@ class Schedule:
         self.opt, lambda x, spec: x if masked(x) else spec, opt_state, specs,
         transform_non_params=lambda _: self._spec(), is_leaf=masked)
 
+  def replicated(self) -> NamedSharding:
+    """A sharding that keeps a full copy on every device of the mesh."""
+    return self._spec()
+
   def batch_sharding(self) -> NamedSharding:
     """Sharding of a [M, B/M, seq] token batch: rows split over 'data'."""
     return self._spec(None, DATA)
@@ -221,8 +225,9 @@ class Schedule:
   def _jitted_step(self, state: State):
     if self._jit_step is None:
       shardings = self.state_shardings(state)
+      # Metrics replicated everywhere, so every process can read them.
       self._jit_step = jax.jit(self._step_fn, donate_argnums=(0,),
-                               out_shardings=(shardings, None))
+                               out_shardings=(shardings, self._spec()))
     return self._jit_step
 
   def step(self, state: State, tokens: jax.Array, targets: jax.Array):
@@ -236,7 +241,7 @@ class Schedule:
   def eval_loss(self, state: State, tokens: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean loss of a [M, B/M, seq] batch at the newest weights (no update)."""
     if self._jit_eval is None:
-      self._jit_eval = jax.jit(self._eval_fn)
+      self._jit_eval = jax.jit(self._eval_fn, out_shardings=self._spec())
     return self._jit_eval(self.params(state), tokens, targets)
 
   def pending_loss(self, state: State) -> Optional[jax.Array]:
@@ -550,7 +555,7 @@ class TwoBW(_Pipelined):
     if k == 0:
       return None
     if self._jit_eval is None:
-      self._jit_eval = jax.jit(self._eval_fn)
+      self._jit_eval = jax.jit(self._eval_fn, out_shardings=self._spec())
     params = _pick(state["versions"], (k - 1) % 2)
     return self._jit_eval(params, state["prev_tokens"], state["prev_targets"])
 
