@@ -40,6 +40,7 @@ class RunConfig:
   progress: bool = True          # show a progress bar on stderr
   nan_policy: str = "skip"       # non-finite loss/grad: skip the update, or stop
   debug_nan_step: int = -1       # fault injection: make batch k's loss NaN (-1 = never)
+  peak_tflops: float = 0.0       # per-device peak for MFU; 0 = known accelerators' bf16 peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ class ModelConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   init_std: float = 0.02
-  remat: bool = False            # recompute block activations in the backward pass
+  remat: str = "none"            # inside each block: none | full (recompute all) | dots (keep matmul outputs)
   param_dtype: str = "float32"   # master weights and optimizer state
   compute_dtype: str = "float32" # matmuls and activations (bfloat16 on accelerators)
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
@@ -299,6 +300,8 @@ def validate(cfg: Config) -> None:
          f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
   _check(m.n_heads % m.n_kv_heads == 0,
          f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+  _check(m.remat in ("none", "full", "dots"), f"model.remat must be none, full or dots; got '{m.remat}'")
+  _check(r.peak_tflops >= 0, f"run.peak_tflops must be >= 0, got {r.peak_tflops}")
   for key in ("param_dtype", "compute_dtype"):
     _check(getattr(m, key) in ("float32", "bfloat16", "float16"),
            f"model.{key} must be float32, bfloat16 or float16, got '{getattr(m, key)}'")

@@ -115,6 +115,19 @@ def build(cfg: Config, devices=None) -> Run:
   return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
 
 
+# Dense bfloat16 peak TFLOP/s per chip, by a substring of `device_kind`.
+_PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("TPU v6", 918.0),
+                ("TPU v5p", 459.0), ("TPU v5", 197.0), ("TPU v4", 275.0))
+
+
+def peak_tflops(cfg: Config) -> Optional[float]:
+  """The per-device peak for MFU: run.peak_tflops, else a known accelerator's, else None."""
+  if cfg.run.peak_tflops:
+    return cfg.run.peak_tflops
+  kind = jax.devices()[0].device_kind
+  return next((peak for name, peak in _PEAK_TFLOPS if name.lower() in kind.lower()), None)
+
+
 def _git_commit() -> str:
   here = os.path.dirname(os.path.abspath(__file__))
   try:
@@ -283,6 +296,20 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
 
   log = _Metrics(run_dir, start, lag, is_main)
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+  # Useful model FLOPs per step, spread over every device of the mesh.
+  flops_per_device = (model_lib.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+                      / (cfg.pipeline.stages * cfg.mesh.data))
+  peak = peak_tflops(cfg)
+
+  def speed(seconds: Optional[float]) -> dict[str, float]:
+    if not seconds:
+      return {}
+    out = {"tokens_per_s": tokens_per_step / seconds,
+           "tflops_per_device": flops_per_device / seconds / 1e12}
+    if peak:
+      out["mfu"] = out["tflops_per_device"] / peak
+    return out
+
   step_times: dict[int, float] = {}
   summary: dict[str, Any] = {"exit_code": 0, "skipped": 0, "start_step": start,
                              "is_main": is_main}
@@ -293,8 +320,9 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
 
   def record(k: int, loss: float, extra: dict[str, Any]) -> None:
     # The rate comes out of float32 arithmetic: print its 7 significant digits.
+    seconds = step_times.pop(k, None)
     rec = {"step": k, "loss": loss, "lr": float(f"{float(run.lr_schedule(k)):.7g}"),
-           "tokens": (k + 1) * tokens_per_step, "step_time_s": step_times.pop(k, None)}
+           "tokens": (k + 1) * tokens_per_step, "step_time_s": seconds, **speed(seconds)}
     rec.update(extra)
     log.write(rec)
     summary["train_loss"] = loss
@@ -360,9 +388,10 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
              f"{batch_k} {where} ({summary['skipped']} skipped so far)")
       if bar is not None:
         if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
+          fast = speed(step_times.get(step))
           bar.set_postfix(loss=f"{float(met['loss']):.4f}",
-                          tok_s=f"{tokens_per_step / max(step_times.get(step, 1e-9), 1e-9):.0f}"
-                          if step in step_times else "")
+                          tok_s=f"{fast.get('tokens_per_s', 0):.0f}",
+                          **({"mfu": f"{fast['mfu']:.1%}"} if "mfu" in fast else {}))
         bar.update(1)
       done = step + 1
       if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
@@ -404,6 +433,8 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   summary.update({"steps": cfg.run.steps, "elapsed_s": elapsed, "first_val_loss": first_val,
                   "tokens_per_s": steady[0] * tokens_per_step / steady[1] if steady[1] else 0.0,
                   "state": state, "run": run})
+  if peak and steady[1]:
+    summary["mfu"] = speed(steady[1] / steady[0])["mfu"]
   return summary
 
 
@@ -433,7 +464,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     parts.append(f"val loss {summary['val_loss']:.4f}"
                  + (f" (from {first:.4f})" if first is not None else ""))
   parts.append(f"{summary['elapsed_s']:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s "
-               "after compilation")
+               "after compilation" + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""))
   if summary["skipped"]:
     parts.append(f"{summary['skipped']} updates skipped")
   parts.append(f"run dir {cfg.run.dir}")

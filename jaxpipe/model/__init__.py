@@ -1,7 +1,8 @@
 """A Llama-style decoder as pure functions over a stacked-block parameter tree."""
 
-from jaxpipe.model._llama import Block, Model, build, dtype_of, ffn_dim, num_params, rotary
+from jaxpipe.model._llama import (Block, Model, build, dtype_of, ffn_dim, flops_per_token,
+                                  num_params, rotary)
 from jaxpipe.model._moe import MoE, capacity
 
-__all__ = ["Block", "Model", "MoE", "build", "capacity", "dtype_of", "ffn_dim", "num_params",
-           "rotary"]
+__all__ = ["Block", "Model", "MoE", "build", "capacity", "dtype_of", "ffn_dim", "flops_per_token",
+           "num_params", "rotary"]

@@ -28,7 +28,7 @@ from jaxpipe.model import _moe
 
 Params = Any
 
-__all__ = ["Model", "Block", "build", "ffn_dim", "dtype_of", "num_params"]
+__all__ = ["Model", "Block", "build", "ffn_dim", "dtype_of", "num_params", "flops_per_token"]
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -120,7 +120,7 @@ class Block(nn.Module):
     if cfg.moe.num_experts:
       y, aux = _moe.MoE(cfg, name="moe")(h)
     else:
-      y, aux = MLP(cfg, name="mlp")(h), jnp.zeros((), jnp.float32)
+      y, aux = MLP(cfg, name="mlp")(h), jnp.zeros_like(h, jnp.float32, shape=())
     return x + y, aux
 
 
@@ -175,10 +175,14 @@ def build(cfg: ModelConfig) -> Model:
     y, a = block.apply({"params": p}, x)
     return (y, aux + a), None
 
-  body = jax.checkpoint(one_block) if cfg.remat else one_block
+  policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+  body = one_block if cfg.remat == "none" else jax.checkpoint(one_block,
+                                                               policy=policies[cfg.remat])
 
   def apply_blocks(blocks, x):
-    (x, aux), _ = jax.lax.scan(body, (x, jnp.zeros((), jnp.float32)), blocks)
+    # zeros_like keeps x's type inside shard_map (what varies over the mesh),
+    # so the scan carry's type does not change when a block adds its loss.
+    (x, aux), _ = jax.lax.scan(body, (x, jnp.zeros_like(x, jnp.float32, shape=())), blocks)
     return x, aux
 
   def head_loss(params, x, targets):
@@ -201,3 +205,22 @@ def build(cfg: ModelConfig) -> Model:
 def num_params(params: Params) -> int:
   """Counts the scalar parameters of a tree."""
   return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Model FLOPs of one training token (forward and backward), PaLM's convention.
+
+  6 * (matmul parameters a token passes through: attention, the MLP or its
+  top_k experts and router, the output head) + 12 * n_layers * dim * seq_len
+  for the attention scores and their use. Rematerialisation and the
+  pipeline's recomputation are not counted: MFU measures useful work.
+  """
+  head_dim = cfg.dim // cfg.n_heads
+  attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+  if cfg.moe.num_experts:
+    hidden = cfg.moe.ffn_dim or ffn_dim(cfg)
+    mlp = cfg.moe.top_k * 3 * cfg.dim * hidden + cfg.dim * cfg.moe.num_experts
+  else:
+    mlp = 3 * cfg.dim * ffn_dim(cfg)
+  matmul = cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
+  return 6.0 * matmul + 12.0 * cfg.n_layers * cfg.dim * seq_len

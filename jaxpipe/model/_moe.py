@@ -44,8 +44,8 @@ class MoE(nn.Module):
 
   Routing (float32): router probabilities p = softmax(x W_r); each token picks
   its top_k experts and their probabilities, renormalised to sum to one. Slots
-  in an expert are filled in order of choice rank, then token position; tokens
-  past an expert's capacity are dropped for that expert (their residual stream
+  in an expert are filled in token order (so routing is causal); tokens past
+  an expert's capacity are dropped for that expert (their residual stream
   passes through). The load-balancing loss is the Switch Transformer's
   E * sum_e f_e * P_e, where f_e is the share of routed assignments that chose
   expert e and P_e the mean router probability of e, times aux_loss_coeff.
@@ -68,12 +68,14 @@ class MoE(nn.Module):
     gate, expert = jax.lax.top_k(probs, k)                        # [b, t, k]
     gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
 
-    # Slot of each (token, choice) in its expert: earlier choice ranks first,
-    # then earlier positions, so a token's first choice is dropped last.
+    # Slot of each (token, choice) in its expert, filled in position order
+    # (a token's choices by rank): a token's routing then depends only on the
+    # tokens before it, so the decoder stays causal. Filling all first choices
+    # before any second choice would let a later token evict an earlier
+    # token's second choice, leaking the future into the past.
     choice = jax.nn.one_hot(expert, e, dtype=jnp.int32)           # [b, t, k, e]
-    by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, k * t, e)     # [b, k*t, e]
-    position = jnp.cumsum(by_rank, axis=1) - by_rank
-    position = jnp.swapaxes(position.reshape(b, k, t, e), 1, 2)   # [b, t, k, e]
+    flat = choice.reshape(b, t * k, e)
+    position = (jnp.cumsum(flat, axis=1) - flat).reshape(b, t, k, e)
     slot = jnp.sum(position * choice, axis=-1)                     # [b, t, k]
     kept = slot < c
     dispatch = (jax.nn.one_hot(expert, e, dtype=jnp.float32)[..., None]

@@ -1,0 +1,109 @@
+"""The model on its own: causality, shapes, tying, remat, Mixture-of-Experts routing, FLOPs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe import model as model_lib
+from jaxpipe.config import ModelConfig, MoEConfig
+
+CFG = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+MOE = dataclasses.replace(CFG, moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0))
+
+
+def _logits(m, params, tokens):
+  x, _ = m.apply_blocks(params["blocks"], m.embed(params, tokens))
+  # The head's logits, recovered as the loss's gradient would be too indirect.
+  from jaxpipe.model._llama import RMSNorm
+  h = RMSNorm(m.cfg.norm_eps).apply({"params": params["head"]["norm"]}, x)
+  w = params["embed"]["embedding"].T if m.cfg.tie_embeddings else params["head"]["out"]["kernel"]
+  return h @ w
+
+
+@pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
+def test_shapes_and_causality(cfg):
+  m = model_lib.build(cfg)
+  params = jax.jit(m.init)(jax.random.key(0))
+  assert params["blocks"]["attn"]["q"]["kernel"].shape == (2, 32, 32)
+  assert params["blocks"]["attn"]["k"]["kernel"].shape == (2, 32, 16)  # 2 kv heads of 8
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+  changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % cfg.vocab_size)
+  a, b = _logits(m, params, tokens), _logits(m, params, changed)
+  assert a.shape == (2, 12, cfg.vocab_size)
+  # Positions before 7 cannot see position 7; position 7 and later must.
+  np.testing.assert_array_equal(np.asarray(a[:, :7]), np.asarray(b[:, :7]))
+  assert np.abs(np.asarray(a[:, 7:] - b[:, 7:])).max() > 1e-4
+
+
+def test_initial_loss_is_near_uniform():
+  m = model_lib.build(CFG)
+  params = jax.jit(m.init)(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, CFG.vocab_size)
+  # Small random logits (std about 0.1) add roughly their variance to log(V).
+  assert abs(float(m.loss(params, tokens, tokens)) - np.log(CFG.vocab_size)) < 0.1
+
+
+def test_tied_embeddings_share_one_matrix():
+  cfg = dataclasses.replace(CFG, tie_embeddings=True)
+  m = model_lib.build(cfg)
+  params = jax.jit(m.init)(jax.random.key(0))
+  assert "out" not in params["head"]
+  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
+  g = jax.grad(m.loss)(params, tokens, tokens)
+  # The embedding's gradient has the head's part: rows of tokens never seen
+  # in the input still move, because every row is a logit.
+  unseen = np.setdiff1d(np.arange(cfg.vocab_size), np.asarray(tokens))
+  assert np.abs(np.asarray(g["embed"]["embedding"])[unseen]).max() > 0
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_policies_do_not_change_gradients(policy):
+  plain, remat = model_lib.build(CFG), model_lib.build(dataclasses.replace(CFG, remat=policy))
+  params = jax.jit(plain.init)(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, CFG.vocab_size)
+  g1 = jax.jit(jax.grad(plain.loss))(params, tokens, tokens)
+  g2 = jax.jit(jax.grad(remat.loss))(params, tokens, tokens)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g2)
+
+
+def test_moe_output_of_a_sequence_does_not_depend_on_its_batch():
+  """Routing groups are sequences, so microbatching and sharding cannot change the model."""
+  m = model_lib.build(MOE)
+  params = jax.jit(m.init)(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, MOE.vocab_size)
+  whole = _logits(m, params, tokens)
+  parts = jnp.concatenate([_logits(m, params, tokens[i:i + 1]) for i in range(4)])
+  np.testing.assert_allclose(np.asarray(whole), np.asarray(parts), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_capacity_drops_overflowing_tokens():
+  """With capacity 1 per expert and every token on the same expert, only the first passes."""
+  cfg = dataclasses.replace(CFG, moe=MoEConfig(num_experts=2, top_k=1, capacity_factor=2 / 8,
+                                               aux_loss_coeff=1.0))
+  assert model_lib.capacity(cfg, 8) == 1
+  moe = model_lib.MoE(cfg)
+  x = jnp.ones((1, 8, 32))
+  params = moe.init(jax.random.key(0), x)
+  params = jax.tree.map(lambda p: p, params)
+  params["params"]["router"]["kernel"] = jnp.zeros((32, 2)).at[:, 0].set(1.0)
+  y, aux = moe.apply(params, x)
+  y = np.asarray(y)
+  assert np.abs(y[0, 0]).max() > 0                     # the first token got the slot
+  np.testing.assert_array_equal(y[0, 1:], 0.0)          # the rest were dropped
+  # All assignments on expert 0 with probability p0: loss = 2 * (1 * p0 + 0 * p1).
+  p0 = float(jax.nn.softmax(jnp.array([32.0, 0.0]))[0])
+  np.testing.assert_allclose(float(aux), 2 * p0, rtol=1e-6)
+
+
+def test_flops_per_token_counts_what_a_token_passes_through():
+  cfg = dataclasses.replace(CFG, vocab_size=64)
+  f = model_lib.ffn_dim(cfg)
+  attn = 32 * 8 * (2 * 4 + 2 * 2)
+  expected = 6 * (2 * (attn + 3 * 32 * f) + 32 * 64) + 12 * 2 * 32 * 128
+  assert model_lib.flops_per_token(cfg, 128) == expected
+  moe = dataclasses.replace(cfg, moe=MoEConfig(num_experts=8, top_k=2))
+  dense_mlp, moe_mlp = 3 * 32 * f, 2 * 3 * 32 * f + 32 * 8
+  assert model_lib.flops_per_token(moe, 128) - expected == 6 * 2 * (moe_mlp - dense_mlp)
