@@ -120,12 +120,14 @@ _PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("TPU v6", 91
                 ("TPU v5p", 459.0), ("TPU v5", 197.0), ("TPU v4", 275.0))
 
 
+def device_peak_tflops(kind: str) -> Optional[float]:
+  """Dense bfloat16 peak TFLOP/s of a known accelerator `device_kind`, else None."""
+  return next((peak for name, peak in _PEAK_TFLOPS if name.lower() in kind.lower()), None)
+
+
 def peak_tflops(cfg: Config) -> Optional[float]:
   """The per-device peak for MFU: run.peak_tflops, else a known accelerator's, else None."""
-  if cfg.run.peak_tflops:
-    return cfg.run.peak_tflops
-  kind = jax.devices()[0].device_kind
-  return next((peak for name, peak in _PEAK_TFLOPS if name.lower() in kind.lower()), None)
+  return cfg.run.peak_tflops or device_peak_tflops(jax.devices()[0].device_kind)
 
 
 def _git_commit() -> str:
