@@ -13,7 +13,8 @@ import os
 from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
 
-__all__ = ["prepare_devices", "start", "local_devices_needed", "distributed_settings"]
+__all__ = ["prepare_devices", "start", "check_devices", "local_devices_needed",
+           "distributed_settings"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -76,9 +77,14 @@ def start(cfg: Config) -> None:
                                  process_id=pid)
     else:
       jax.distributed.initialize()  # SLURM: everything from the job's environment
+  check_devices(cfg, jax.devices())
+
+
+def check_devices(cfg: Config, devices) -> None:
+  """Raises ConfigError when the mesh needs more devices than `devices` holds."""
   need = cfg.pipeline.stages * cfg.mesh.data
-  if need > jax.device_count():
+  if need > len(devices):
     raise ConfigError(
         f"the mesh needs pipeline.stages x mesh.data = {cfg.pipeline.stages} x {cfg.mesh.data} = "
-        f"{need} devices but {jax.device_count()} {jax.default_backend().upper()} devices are "
+        f"{need} devices but {len(devices)} {devices[0].platform.upper()} devices are "
         "available; lower pipeline.stages or mesh.data")

@@ -33,6 +33,7 @@ import yaml
 
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
+from jaxpipe import launch
 from jaxpipe import model as model_lib
 from jaxpipe import optim
 from jaxpipe.checkpoint import Checkpointer, check_compatible
@@ -105,11 +106,7 @@ def build(cfg: Config, devices=None) -> Run:
   lr_schedule = jax.jit(optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps))
   p = cfg.pipeline
   devices = jax.devices() if devices is None else devices
-  if p.stages * cfg.mesh.data > len(devices):
-    raise ConfigError(
-        f"the mesh needs pipeline.stages x mesh.data = {p.stages} x {cfg.mesh.data} = "
-        f"{p.stages * cfg.mesh.data} devices but {len(devices)} "
-        f"{devices[0].platform.upper()} devices are available; lower pipeline.stages or mesh.data")
+  launch.check_devices(cfg, devices)
   mesh = make_mesh(p.stages, cfg.mesh.data, devices)
   schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches)
   return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
