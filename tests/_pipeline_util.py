@@ -1,0 +1,346 @@
+"""Shared pieces of the pipeline tests: a tiny model, fixed batches, cached runs.
+
+Every distinct (schedule, mesh, microbatches, optimizer) costs an XLA compile
+of several seconds on a 2-core CPU, so each training run is made once per
+test session (`run` is cached) and compared by as many tests as need it.
+
+The global batch is ROWS sequences per microbatch, whatever the mesh, so a
+pipeline on S x D devices and the one-device reference see the very same
+microbatches (a pipeline's data shard of a microbatch is ROWS / D rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxpipe import model as model_lib
+from jaxpipe import optim
+from jaxpipe.config import ModelConfig
+from jaxpipe.pipeline import StageFns, make_mesh, make_schedule
+
+# Four blocks so that S = 4 gets one block per stage; float32 throughout.
+CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2)
+SEQ = 8
+ROWS = 4   # sequences per microbatch: divisible by every data size below
+STEPS = 5  # enough for pipedream's stage 0 (delay 3 at S = 4) to see an update
+
+# Sane rates for a model this small: at AdamW lr 1e-2 it is unstable and Adam
+# amplifies float32 rounding far above 1e-6. Muon's rate is for the hidden
+# matrices; its AdamW part (embedding, head, norms) gets AdamW's rate.
+ADAMW_LR, MUON_LR = 1e-3, 0.02
+# Adam's update lr * g / (|g| + eps) has slope lr / eps in a gradient entry
+# that is zero up to rounding. With eps = 1e-8 that is 1e5: one such entry
+# (of 12288 in an MLP kernel, at S=2, D=2, M=3) turned a 3e-11 difference in
+# summation order into 2.6e-6 in the weights, half the tolerance. At 1e-6 the
+# slope is 1e3, and the tolerance again measures the pipeline, not Adam.
+ADAM_EPS = 1e-6
+
+
+class Run(NamedTuple):
+  """One training run.
+
+  Attributes:
+    losses: [STEPS] mean loss of batch k at the weights batch k ran on.
+    params: the newest weights after STEPS steps, as NumPy arrays.
+    loss_steps: metrics['loss_step'] of each step, in order.
+    hlo: the compiled step's HLO text.
+  """
+  losses: np.ndarray
+  params: Any
+  loss_steps: tuple
+  hlo: Optional[str]
+
+
+@functools.cache
+def model() -> model_lib.Model:
+  """The tiny Llama-style model shared by every pipeline test."""
+  return model_lib.build(CONFIG)
+
+
+def stage_fns() -> StageFns:
+  """The model as the pipeline sees it."""
+  m = model()
+  return StageFns(embed=m.embed, stage=m.apply_blocks, head=m.head_loss)
+
+
+@functools.cache
+def initial_params() -> Any:
+  """The starting weights, as NumPy arrays (a schedule's `init` places them)."""
+  # Jitted: run eagerly, flax's init compiles every small op on its own.
+  return jax.device_get(jax.jit(model().init)(jax.random.key(0)))
+
+
+@functools.cache
+def batches(num_microbatches: int) -> tuple:
+  """STEPS (tokens, targets) pairs of int32 [M, ROWS, SEQ], distinct arrays.
+
+  Targets are the tokens shifted by one, as in language modelling, so a
+  mix-up of the two (or of two batches) changes the loss.
+  """
+  rng = np.random.default_rng(1234 + num_microbatches)
+  out = []
+  for _ in range(STEPS):
+    seq = rng.integers(0, CONFIG.vocab_size, (num_microbatches, ROWS, SEQ + 1)).astype(np.int32)
+    out.append((np.ascontiguousarray(seq[..., :-1]), np.ascontiguousarray(seq[..., 1:])))
+  return tuple(out)
+
+
+def optimizer(name: str, *, ef: float = 0.0, delay: int = 0,
+              ef_outside: bool = False) -> optax.GradientTransformation:
+  """jaxpipe's AdamW or Muon, optionally `delay(error_feedback(opt, ef), delay)`.
+
+  That order is the project's: a 2BW pipeline calls its optimizer only once a
+  delayed gradient exists, so the one-device equivalent of 2bw with the
+  correction wraps the correction in the delay. `ef_outside` builds the other
+  order, `error_feedback(delay(opt))`, for a negative control.
+  """
+  if name == "adamw":
+    opt = optim.adamw(ADAMW_LR, eps=ADAM_EPS)
+  elif name == "muon":
+    opt = optim.muon(MUON_LR, adam_learning_rate=ADAMW_LR, eps=ADAM_EPS)
+  else:
+    raise ValueError(name)
+  if ef and not ef_outside:
+    opt = optim.error_feedback(opt, ef)
+  if delay:
+    opt = optim.delay(opt, delay)
+  if ef and ef_outside:
+    opt = optim.error_feedback(opt, ef)
+  return opt
+
+
+@functools.cache
+def run(schedule: str, num_stages: int, num_data: int, num_microbatches: int, opt: str, *,
+        ef: float = 0.0, delay: int = 0, ef_outside: bool = False) -> Run:
+  """Trains STEPS steps with a schedule; cached for the session.
+
+  The step is compiled once, through `lower_step` for its HLO; `step` then
+  finds that executable in JAX's cache.
+
+  Losses are collected by the batch they belong to (`metrics['loss_step']`),
+  which undoes 2bw's one-step reporting lag; its last batch's loss comes
+  from `pending_loss`.
+  """
+  m = num_microbatches
+  sch = make_schedule(schedule, stage_fns(),
+                      optimizer(opt, ef=ef, delay=delay, ef_outside=ef_outside),
+                      make_mesh(num_stages, num_data), m)
+  params = jax.tree.map(jnp.asarray, initial_params())
+  state = sch.init(params, (m, ROWS, SEQ))
+  losses, loss_steps, hlo = {}, [], None
+  for tok, tgt in batches(m):
+    tok = jax.device_put(tok, sch.batch_sharding())
+    tgt = jax.device_put(tgt, sch.batch_sharding())
+    if hlo is None:
+      hlo = sch.lower_step(state, tok, tgt).compile().as_text()
+    state, metrics = sch.step(state, tok, tgt)
+    step = int(metrics["loss_step"])
+    loss_steps.append(step)
+    if step >= 0:
+      assert step not in losses
+      losses[step] = float(metrics["loss"])
+  pending = sch.pending_loss(state)
+  if pending is not None:
+    losses[STEPS - 1] = float(pending)
+  assert sorted(losses) == list(range(STEPS)), losses
+  return Run(np.array([losses[k] for k in range(STEPS)]), jax.device_get(sch.params(state)),
+             tuple(loss_steps), hlo)
+
+
+# --- the pipedream reference -------------------------------------------------
+
+
+@functools.cache
+def _grad_fn():
+  """Mean loss and gradient over a batch's microbatches, summed in order.
+
+  The same accumulation as `schedule=none`: a scan over the microbatches,
+  then one division by M.
+  """
+  loss_fn = model().loss
+
+  def grads(params, tokens, targets):
+    def micro(carry, batch):
+      g_sum, l_sum = carry
+      loss, g = jax.value_and_grad(loss_fn)(params, *batch)
+      return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (g, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (tokens, targets))
+    m = tokens.shape[0]
+    return loss / m, jax.tree.map(lambda x: x / m, g)
+
+  return jax.jit(grads)
+
+
+def stale_point(history: list, k: int, delays: tuple, embed_head: tuple) -> Any:
+  """The weights batch k runs on when stage s lags `delays[s]` updates.
+
+  `history[j]` holds the weights after j updates (every stage updates once
+  per step, so stage s's own history is its slice of it). Stage s owns
+  blocks s*L/S .. (s+1)*L/S - 1; the embedding lags `embed_head[0]` updates
+  and the final norm and head `embed_head[1]`.
+  """
+  per = CONFIG.n_layers // len(delays)
+  version = lambda d: history[max(0, k - d)]
+  blocks = jax.tree.map(
+      lambda *vs: np.concatenate([v[i * per:(i + 1) * per] for i, v in enumerate(vs)]),
+      *[version(d)["blocks"] for d in delays])
+  return {"embed": version(embed_head[0])["embed"], "blocks": blocks,
+          "head": version(embed_head[1])["head"]}
+
+
+@functools.cache
+def _update_fn(opt: str, **kwargs):
+  """(optimizer, jitted (grads, opt_state, params) -> (params, opt_state))."""
+  tx = optimizer(opt, **kwargs)
+
+  def update(grads, opt_state, params):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return tx, jax.jit(update)
+
+
+@functools.cache
+def stale_reference(delays: tuple, num_microbatches: int, opt: str, *,
+                    embed_head: Optional[tuple] = None, **opt_kwargs) -> Run:
+  """One-device training where stage s's weights lag `delays[s]` updates.
+
+  DESIGN.md section 2's batch-granular model: batch k's loss and gradient are
+  taken at `stale_point(history, k, ...)`, and one optimizer step applies
+  that gradient to the newest weights. PipeDream is delays (S-1, ..., 1, 0);
+  all zeros is synchronous training. The embedding belongs to stage 0 and the
+  final norm and head to the last stage, so by default they lag as those
+  stages do; `embed_head` overrides their delays (for negative controls).
+  `opt_kwargs` go to `optimizer` (e.g. `delay=1`: with zero stage delays,
+  the arithmetic of `schedule=none` with a delayed optimizer).
+  """
+  if embed_head is None:
+    embed_head = (delays[0], delays[-1])
+  tx, update = _update_fn(opt, **opt_kwargs)
+  grad_fn = _grad_fn()
+  history = [initial_params()]
+  opt_state = jax.jit(tx.init)(history[0])
+  losses = []
+  for k, (tok, tgt) in enumerate(batches(num_microbatches)):
+    loss, grads = grad_fn(stale_point(history, k, delays, embed_head), tok, tgt)
+    params, opt_state = update(grads, opt_state, history[-1])
+    history.append(jax.device_get(params))
+    losses.append(float(loss))
+  return Run(np.array(losses), history[-1], tuple(range(STEPS)), None)
+
+
+# --- comparisons and HLO -----------------------------------------------------
+
+
+# float32 rounding: losses are about 4.2, weights about 0.02 (matrices) and 1
+# (norm scales), where one ulp is 1.2e-7.
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+PARAM_TOL = dict(rtol=0, atol=5e-6)
+
+
+def assert_runs_match(got: Run, want: Run):
+  """Same per-step losses and same final weights, to float32 rounding."""
+  np.testing.assert_allclose(got.losses, want.losses, **LOSS_TOL, err_msg="per-step losses")
+  flat_got = jax.tree_util.tree_flatten_with_path(got.params)[0]
+  flat_want = jax.tree.leaves(want.params)
+  assert jax.tree.structure(got.params) == jax.tree.structure(want.params)
+  for (path, g), w in zip(flat_got, flat_want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **PARAM_TOL,
+                               err_msg=f"final weights at {jax.tree_util.keystr(path)}")
+
+
+_SHAPE = re.compile(r"\b(?:f64|f32|bf16|f16|s32|s8|u32|u8|pred)\[([0-9,]*)\]")
+
+
+def _opcode(op: str) -> re.Pattern:
+  # `op(` or, for XLA's asynchronous form (GPU), `op-start(`.
+  return re.compile(rf"\s{op}(?:-start)?\(")
+
+
+def collectives(hlo: str, op: str) -> list[str]:
+  """Lines of `hlo` that define an `op` collective, e.g. 'all-gather'."""
+  pattern = _opcode(op)
+  return [line.strip() for line in hlo.splitlines()
+          if "=" in line and pattern.search(line.split("=", 1)[1])]
+
+
+def result_shapes(line: str, op: str) -> list[tuple[int, ...]]:
+  """Array shapes in the result type of an `op` instruction (a tuple gives several).
+
+  The result type is what stands between '=' and the opcode; operands and
+  attributes after it are ignored.
+  """
+  rhs = line.split("=", 1)[1]
+  head = rhs[:_opcode(op).search(rhs).start()]
+  return [tuple(int(d) for d in dims.split(",") if d) for dims in _SHAPE.findall(head)]
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)="
+                     r"%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+  """The instruction lines of each computation of an HLO module, by name."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      name = header.group(1)
+      comps[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None and line.strip():
+      comps[name].append(line.strip())
+  return comps
+
+
+def loop_computations(hlo: str) -> set[str]:
+  """Names of every computation that runs inside a while loop (the tick scan).
+
+  Starts from the bodies and conditions of all `while` instructions and
+  follows calls, fusions, reductions and conditional branches.
+  """
+  comps = computations(hlo)
+
+  def callees(lines):
+    out = []
+    for line in lines:
+      out += _CALLEE.findall(line)
+      for group in _BRANCHES.findall(line):
+        out += [x.strip().lstrip("%") for x in group.split(",") if x.strip()]
+    return out
+
+  todo = [c for lines in comps.values() for line in lines if re.search(r"\swhile\(", line)
+          for c in _CALLEE.findall(line)]
+  seen = set()
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    todo += callees(comps[name])
+  return seen
+
+
+def entry_parameter_shapes(hlo: str) -> list[tuple[int, ...]]:
+  """Per-device shapes of the compiled module's inputs (its ENTRY parameters)."""
+  shapes, inside = [], False
+  for line in hlo.splitlines():
+    if line.startswith("ENTRY"):
+      inside = True
+    elif inside and line.startswith("}"):
+      break
+    elif inside and _opcode("parameter").search(line.split("=", 1)[-1]):
+      shapes += result_shapes(line, "parameter")
+  return shapes
