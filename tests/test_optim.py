@@ -722,13 +722,6 @@ def test_schedule_wsd_default_is_one_minus_sqrt():
 # --------------------------------------------------------------------------
 # the user guide's snippet and the docstring examples run
 
-def test_docs_snippet_runs():
-  text = (ROOT / "docs" / "optim.md").read_text()
-  block = re.search(r"```python\n(.*?)```", text, re.S)
-  assert block is not None
-  exec(compile(block.group(1), "docs/optim.md", "exec"), {"__name__": "doc"})
-
-
 @pytest.mark.parametrize("module", ["_wrappers", "_optimizers"])
 def test_docstring_examples_run(module):
   mod = importlib.import_module(f"jaxpipe.optim.{module}")

@@ -3,6 +3,8 @@
 import glob
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -168,3 +170,30 @@ def test_mismatched_resume_is_refused_and_nothing_is_lost(tmp_path, cache):
   after = {p: open(p, "rb").read() for p in glob.glob(run_dir + "/**", recursive=True)
            if os.path.isfile(p)}
   assert after == before
+
+
+def test_moe_in_bfloat16_trains_with_2bw(tmp_path, cache):
+  """The accelerator path on the emulated mesh: MoE blocks, bfloat16 compute, 2bw."""
+  run_dir = str(tmp_path / "moe")
+  p = _runs.run(run_dir, "run.steps=3", "model.compute_dtype=bfloat16",
+                cache_dir=cache, config=os.path.join(_runs.ROOT, "configs", "tiny-moe.yaml"))
+  assert p.returncode == 0, p.stderr
+  losses = _runs.train_losses(run_dir)
+  assert sorted(losses) == [0, 1, 2] and all(np.isfinite(v) for v in losses.values())
+  vals = _runs.val_losses(run_dir)
+  assert vals[3] < vals[0]
+
+
+def test_plot_tool_draws_a_run(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  assert _runs.run(run_dir, "run.steps=3", cache_dir=cache).returncode == 0
+  out = tmp_path / "loss.png"
+  p = subprocess.run([sys.executable, os.path.join(_runs.ROOT, "tools", "plot_loss.py"),
+                      run_dir, run_dir, "--labels", "a", "b", "--out", str(out)],
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 0, p.stderr
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+  bad = subprocess.run([sys.executable, os.path.join(_runs.ROOT, "tools", "plot_loss.py"),
+                        str(tmp_path / "missing"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and bad.stderr.startswith("error: ")

@@ -1,0 +1,26 @@
+"""The documentation's code runs: every ```python block of README.md and docs/*.md."""
+
+import glob
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+BLOCKS = [(os.path.relpath(path, ROOT), i, code) for path in DOCS
+          for i, code in enumerate(re.findall(r"```python\n(.*?)```", open(path).read(), re.S))]
+
+
+@pytest.mark.parametrize("where,index,code", BLOCKS,
+                         ids=[f"{w}#{i}" for w, i, _ in BLOCKS])
+def test_python_block_runs(where, index, code):
+  exec(compile(code, f"{where} block {index}", "exec"), {"__name__": "__doc_block__"})
+
+
+def test_readme_opens_with_the_two_commands():
+  lines = open(os.path.join(ROOT, "README.md")).read().splitlines()
+  commands = [l for l in lines[:20] if l.startswith("python3 -m venv .venv")]
+  assert len(commands) == 2
+  assert commands[0].endswith("train.py --config configs/quickstart.yaml")
+  assert commands[1].endswith("-m pytest")
