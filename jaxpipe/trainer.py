@@ -93,14 +93,14 @@ def build(cfg: Config, devices=None) -> Run:
   data = open_data(cfg)
   cfg = resolve_model(cfg, data)
   model = model_lib.build(cfg.model)
-  head = model.head_loss
-  if cfg.run.debug_nan_step >= 0:
+  def poisonable_head(shared, x, targets):
     # Fault injection for the non-finite guard: the trainer marks the chosen
     # batch with negative targets, whose loss then becomes NaN.
-    def head(shared, x, targets):
-      poisoned = jnp.any(targets < 0)
-      return jnp.where(poisoned, jnp.nan, 1.0) * model.head_loss(shared, x,
-                                                                 jnp.maximum(targets, 0))
+    poisoned = jnp.any(targets < 0)
+    return jnp.where(poisoned, jnp.nan, 1.0) * model.head_loss(shared, x,
+                                                               jnp.maximum(targets, 0))
+
+  head = poisonable_head if cfg.run.debug_nan_step >= 0 else model.head_loss
   fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=head)
   optimizer = optim.build(cfg.optimizer, cfg.run.steps)
   lr_schedule = jax.jit(optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps))

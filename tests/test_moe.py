@@ -5,7 +5,6 @@ blocks route tokens to 4 experts (top 2, capacity 1.25) and add a
 load-balancing loss, which every stage's backward must carry.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

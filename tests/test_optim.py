@@ -5,7 +5,6 @@ import doctest
 import functools
 import importlib
 import pathlib
-import re
 
 import flax.linen as nn
 import jax

@@ -1,6 +1,5 @@
 """Nothing lost: exact resume for every kind of state, kills mid-save, the NaN guard, bad input."""
 
-import glob
 import json
 import os
 import shutil

@@ -341,7 +341,7 @@ class _Pipelined(Schedule):
     `versions` is (blocks, shared) with a leading version axis;
     `version_of(stage)` picks the version a stage runs.
     """
-    plan, m = self.plan, self.num_microbatches
+    plan = self.plan
     ring = 2 * (self.num_stages - 1) + 1
     x_like = self._act_like(_pick(versions[1], 0), self._local_mb(tokens))
 
