@@ -158,6 +158,7 @@ class _Metrics:
   def __init__(self, run_dir: str, start_step: int, lag: int, enabled: bool):
     self.enabled = enabled
     self.path = os.path.join(run_dir, "metrics.jsonl")
+    self.val_steps: set[int] = set()  # evaluations already on file
     self._tb = None
     if not enabled:
       return
@@ -175,6 +176,7 @@ class _Metrics:
     if not os.path.exists(self.path):
       return
     keep = []
+    self.val_steps = set()
     with open(self.path) as f:
       for line in f:
         try:
@@ -183,6 +185,7 @@ class _Metrics:
           continue  # a line cut short by a kill
         if "val_loss" in rec and rec["step"] <= start_step:
           keep.append(line)
+          self.val_steps.add(rec["step"])
         elif "loss" in rec and rec["step"] < start_step - lag:
           keep.append(line)
     tmp = self.path + ".tmp"
@@ -409,17 +412,22 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
         summary["exit_code"] = EXIT_INTERRUPTED + stop_signal[0]
         break
     else:
+      # Every process runs the end of a run (evaluation is a collective), also
+      # when a finished run is started again: its last reports are redone.
       done = cfg.run.steps
-      if done > start or saved_at != done:
-        pending = schedule.pending_loss(state)
-        if pending is not None:
-          record(done - 1, float(pending), {"skipped": summary["skipped"]})
-        val = evaluate(state)
-        if val is not None:
+      if start == done and is_main:
+        _say(f"the run in {run_dir} is already complete at step {done}; raise run.steps "
+             "to continue it")
+      pending = schedule.pending_loss(state)
+      if pending is not None:
+        record(done - 1, float(pending), {"skipped": summary["skipped"]})
+      val = evaluate(state)
+      if val is not None:
+        if done not in log.val_steps:
           log.write({"step": done, "val_loss": val})
-          summary["val_loss"] = val
-        if saved_at != done:
-          ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
+        summary["val_loss"] = val
+      if saved_at != done:
+        ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
   finally:
     if bar is not None:
       bar.close()
@@ -462,8 +470,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     first = summary.get("first_val_loss")
     parts.append(f"val loss {summary['val_loss']:.4f}"
                  + (f" (from {first:.4f})" if first is not None else ""))
-  parts.append(f"{summary['elapsed_s']:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s "
-               "after compilation" + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""))
+  speed = ""
+  if summary["tokens_per_s"]:
+    speed = f", {summary['tokens_per_s']:,.0f} tokens/s after compilation" + (
+        f", MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
+  parts.append(f"{summary['elapsed_s']:.1f} s{speed}")
   if summary["skipped"]:
     parts.append(f"{summary['skipped']} updates skipped")
   parts.append(f"run dir {cfg.run.dir}")
