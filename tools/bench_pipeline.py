@@ -1,0 +1,610 @@
+#!/usr/bin/env python3
+"""Throughput benchmark of the pipeline schedules on an emulated CPU mesh.
+
+  python tools/bench_pipeline.py                       # S=4, M=8: the issue's run
+  python tools/bench_pipeline.py --repeats 7 --out-md /tmp/bench.md
+  python tools/bench_pipeline.py --sweep --out-md /tmp/sweep.md --out-png docs/img/bench_sweep.png
+
+In one process, for S stages and M microbatches (a model split into S
+stages, one emulated device each; the one-device reference runs the same
+global batch as M microbatches of gradient accumulation), it measures:
+
+- step time of none, gpipe, 1f1b, 2bw and pipedream: the compiled step is
+  run in round-robin over the schedules (so that a burst of load from other
+  processes hits every schedule alike), warm-up steps first, then the median
+  of --repeats timed steps, each ended by `jax.block_until_ready`;
+- compile time of the 2bw step against M (`Schedule.lower_step(...).compile()`,
+  with the persistent compilation cache off);
+- memory per device from XLA's analysis of the compiled step
+  (`compiled.memory_analysis()`: arguments, outputs, the part of the
+  outputs aliased to donated arguments, and temporaries);
+- the steady-state bubble of each schedule, counted from the engine's
+  timetable (`jaxpipe.pipeline.timetable`), the same cells the visualiser draws.
+
+It prints markdown tables and the issue's targets with PASS/MISS, and writes
+them to --out-md; --sweep runs S in {2, 4} x M in {4, 8, 16} and draws step
+time and bubble per schedule into --out-png.
+
+The emulated devices are threads of one process that share this machine's
+cores, so the ratios measure how much work each schedule does per step, not
+how a real S-device pipeline would scale: see docs/benchmark.md.
+
+Bad input exits with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+SWEEP_STAGES = (2, 4)
+SWEEP_MICROBATCHES = (4, 8, 16)
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+# Targets of the pipeline issue: (label, numerator, denominator, limit).
+TARGETS = (
+    ("2bw step / gpipe step", "2bw", "gpipe", 0.8),
+    ("2bw step / 1f1b step", "2bw", "1f1b", 0.8),
+    ("2bw step / one-device step", "2bw", "none", 1.4),
+)
+COMPILE_LIMIT = 1.3
+
+
+def emulate_devices(count: int) -> None:
+  """Asks XLA for `count` CPU devices; must run before JAX is imported.
+
+  A device count already in XLA_FLAGS is kept when it is large enough.
+  """
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  have = [f.split("=", 1)[1] for f in flags if f.startswith(_COUNT_FLAG + "=")]
+  if have and have[-1].isdigit() and int(have[-1]) >= count:
+    return
+  flags = [f for f in flags if not f.startswith(_COUNT_FLAG)] + [f"{_COUNT_FLAG}={count}"]
+  os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
+def bubble(schedule: str, num_stages: int, num_microbatches: int) -> Optional[float]:
+  """Steady-state idle share of a schedule, counted from the engine's timetable.
+
+  Step 1 of a two-step timetable (2bw's step 0 is the fill); None where the
+  schedule refuses the shape.
+  """
+  from jaxpipe.pipeline import min_microbatches, timetable  # pylint: disable=g-import-not-at-top
+  if schedule == "none":
+    return 0.0
+  if num_microbatches < min_microbatches(schedule, num_stages):
+    return None
+  return timetable(schedule, num_stages, num_microbatches, 2).idle_fraction(1)
+
+
+def ticks(schedule: str, num_stages: int, num_microbatches: int) -> float:
+  """Step length in tick-pairs (one forward and one backward per stage).
+
+  gpipe's forward and backward ticks are half a pair each; `none` runs M
+  microbatches of the whole model (S stages' work) on one device.
+  """
+  from jaxpipe.pipeline import ticks_per_step  # pylint: disable=g-import-not-at-top
+  n = ticks_per_step(schedule, num_stages, num_microbatches)
+  return n / 2 if schedule == "gpipe" else n
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """The benchmark's model and batch (see docs/benchmark.md for the choice)."""
+  dim: int = 256
+  layers: int = 8
+  heads: int = 4
+  kv_heads: int = 2
+  seq_len: int = 64
+  micro_rows: int = 2   # sequences per microbatch; global batch = M * micro_rows
+
+
+def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int) -> Any:
+  """A validated `jaxpipe.config.Config` for one benchmark point."""
+  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
+  tree = {
+      "run": {"dir": "runs/bench", "steps": 1000, "progress": False},
+      "data": {"batch_size": num_microbatches * shape.micro_rows, "seq_len": shape.seq_len},
+      "model": {"vocab_size": 257, "dim": shape.dim, "n_layers": shape.layers,
+                "n_heads": shape.heads, "n_kv_heads": shape.kv_heads},
+      "pipeline": {"schedule": schedule, "stages": 1 if schedule == "none" else num_stages,
+                   "microbatches": num_microbatches},
+      "optimizer": {"name": "adamw", "lr": 1e-3, "schedule": "constant"},
+  }
+  cfg = config_lib.from_dict(tree)
+  config_lib.validate(cfg)
+  return cfg
+
+
+@functools.lru_cache(maxsize=4)
+def _model(shape: ModelShape, seed: int) -> tuple[Any, Any, Any]:
+  """(StageFns, optimizer, initial params) of the benchmark model.
+
+  Built once per shape: every schedule starts from the same weights, and
+  the model's init is compiled once.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
+  from jaxpipe import optim  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import StageFns  # pylint: disable=g-import-not-at-top
+  cfg = make_config(shape, "none", 1, 1)
+  # The pieces `jaxpipe.trainer.build` makes, minus the token data.
+  model = model_lib.build(cfg.model)
+  fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=model.head_loss)
+  optimizer = optim.build(cfg.optimizer, cfg.run.steps)
+  return fns, optimizer, jax.jit(model.init)(jax.random.key(seed))
+
+
+class Runner:
+  """One schedule, compiled, with its state and a fixed random batch."""
+
+  def __init__(self, shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int,
+               *, seed: int = 0, compile_now: bool = True):
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+
+    self.name = schedule
+    cfg = make_config(shape, schedule, num_stages, num_microbatches)  # validates the shape
+    fns, optimizer, params = _model(shape, seed)
+    mesh = make_mesh(cfg.pipeline.stages, 1)
+    self.schedule = make_schedule(schedule, fns, optimizer, mesh, num_microbatches)
+    batch_shape = (num_microbatches, shape.micro_rows, shape.seq_len)
+    # `init` copies the weights into the schedule's layout; the step donates
+    # that copy, never the shared params.
+    self.state = self.schedule.init(params, batch_shape)
+    rng = np.random.default_rng(seed)
+    sharding = self.schedule.batch_sharding()
+    self.tokens, self.targets = (
+        jax.device_put(rng.integers(0, 256, batch_shape, dtype=np.int32), sharding)
+        for _ in range(2))
+    self.lower_s = self.compile_s = self.compile_cpu_s = 0.0
+    self.memory = None
+    self.compiled = None
+    if compile_now:
+      self.compile()
+
+  def compile(self) -> None:
+    """Lowers and compiles the step, timing both, and reads XLA's memory analysis."""
+    t0 = time.perf_counter()
+    lowered = self.schedule.lower_step(self.state, self.tokens, self.targets)
+    t1, c1 = time.perf_counter(), time.process_time()
+    self.compiled = lowered.compile()
+    t2, c2 = time.perf_counter(), time.process_time()
+    # CPU seconds of the whole process (all of XLA's threads): what the
+    # compilation cost, whatever share of the cores other processes took.
+    self.lower_s, self.compile_s, self.compile_cpu_s = t1 - t0, t2 - t1, c2 - c1
+    self.memory = self.compiled.memory_analysis()
+
+  def step(self) -> tuple[float, float]:
+    """Runs one step; returns (wall seconds, process CPU seconds)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    c0, t0 = time.process_time(), time.perf_counter()
+    self.state, metrics = self.compiled(self.state, self.tokens, self.targets)
+    jax.block_until_ready((self.state, metrics))
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def memory_row(stats: Any) -> dict[str, int]:
+  """The fields of `CompiledMemoryStats` that the tables report, in bytes.
+
+  XLA compiles one SPMD program for all devices, so these are per device.
+  `resident` = arguments + outputs - aliased + temporaries: the donated state
+  is reused for the new state, so aliased bytes are counted once.
+  """
+  row = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+         "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
+  row["resident"] = row["argument"] + row["output"] - row["alias"] + row["temp"]
+  return row
+
+
+def measure(shape: ModelShape, num_stages: int, num_microbatches: int, *, warmup: int,
+            repeats: int, schedules: Sequence[str] = SCHEDULES,
+            log=print) -> list[dict[str, Any]]:
+  """Compiles every schedule, then times them in round-robin; one dict per schedule."""
+  from jaxpipe.pipeline import min_microbatches  # pylint: disable=g-import-not-at-top
+  runners, rows = [], []
+  for name in schedules:
+    row: dict[str, Any] = {"schedule": name, "stages": num_stages, "microbatches": num_microbatches,
+                           "ticks": ticks(name, num_stages, num_microbatches),
+                           "bubble": bubble(name, num_stages, num_microbatches)}
+    rows.append(row)
+    if name != "none" and num_microbatches < min_microbatches(name, num_stages):
+      row["skipped"] = f"needs M >= {min_microbatches(name, num_stages)}"
+      continue
+    r = Runner(shape, name, num_stages, num_microbatches)
+    row.update(compile_s=r.compile_s, compile_cpu_s=r.compile_cpu_s, lower_s=r.lower_s,
+               memory=memory_row(r.memory))
+    log(f"  S={num_stages} M={num_microbatches} {name}: compiled in {r.compile_s:.1f} s "
+        f"({r.compile_cpu_s:.1f} CPU s)")
+    runners.append((r, row))
+  times: dict[str, list[float]] = {r.name: [] for r, _ in runners}
+  cpu: dict[str, list[float]] = {r.name: [] for r, _ in runners}
+  for i in range(warmup + repeats):
+    for r, _ in runners:
+      wall, cpu_s = r.step()
+      if i >= warmup:
+        times[r.name].append(wall)
+        cpu[r.name].append(cpu_s)
+  for r, row in runners:
+    row.update(step_s=statistics.median(times[r.name]), step_min_s=min(times[r.name]),
+               step_max_s=max(times[r.name]), times=times[r.name],
+               cpu_s=statistics.median(cpu[r.name]),
+               cores=sum(cpu[r.name]) / sum(times[r.name]))
+  return rows
+
+
+def compile_vs_m(shape: ModelShape, num_stages: int, ms: Sequence[int],
+                 done: Optional[dict[str, Any]] = None, log=print) -> list[dict[str, Any]]:
+  """Lowering and compile time of the 2bw step for each M (a fresh schedule each).
+
+  `done`: the 2bw row of `measure` for the same S, reused for its M rather
+  than compiling the same program twice.
+  """
+  out = []
+  for m in ms:
+    if done is not None and done.get("microbatches") == m and "compile_s" in done:
+      out.append({k: done[k] for k in ("microbatches", "lower_s", "compile_s", "compile_cpu_s",
+                                       "memory")})
+      continue
+    r = Runner(shape, "2bw", num_stages, m)
+    log(f"  2bw S={num_stages} M={m}: lowered in {r.lower_s:.2f} s, compiled in "
+        f"{r.compile_s:.1f} s ({r.compile_cpu_s:.1f} CPU s)")
+    out.append({"microbatches": m, "lower_s": r.lower_s, "compile_s": r.compile_s,
+                "compile_cpu_s": r.compile_cpu_s, "memory": memory_row(r.memory)})
+    del r
+  return out
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2 ** 20:.2f}"
+
+
+def _frac(x: Optional[float]) -> str:
+  return "n/a" if x is None else f"{x:.1%}"
+
+
+def step_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: wall and CPU step time, ratios, bubble, ticks and cores busy per schedule."""
+  two = {r["schedule"]: r for r in rows}.get("2bw", {})
+  out = ["| schedule | ticks per step | bubble (timetable) | wall s/step (median) | min-max "
+         "| 2bw / this (wall) | CPU s/step (median) | 2bw / this (CPU) | cores busy "
+         "| compile s (CPU s) |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    if "skipped" in r:
+      out.append(f"| {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} | "
+                 f"{r['skipped']} | | | | | | |")
+      continue
+    wall = f"{two['step_s'] / r['step_s']:.2f}" if "step_s" in two else "-"
+    cpu = f"{two['cpu_s'] / r['cpu_s']:.2f}" if "cpu_s" in two else "-"
+    out.append(f"| {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} | {r['step_s']:.3f} | "
+               f"{r['step_min_s']:.3f}-{r['step_max_s']:.3f} | {wall} | {r['cpu_s']:.3f} | {cpu} | "
+               f"{r['cores']:.2f} | {r['compile_s']:.1f} ({r['compile_cpu_s']:.1f}) |")
+  return "\n".join(out)
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: XLA's memory analysis of each compiled step, MiB per device."""
+  out = ["| schedule | arguments | outputs | aliased (donated) | temporaries | resident "
+         "(arg + out - alias + temp) |",
+         "|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    if "memory" not in r:
+      continue
+    m = r["memory"]
+    out.append(f"| {r['schedule']} | {_mib(m['argument'])} | {_mib(m['output'])} | "
+               f"{_mib(m['alias'])} | {_mib(m['temp'])} | {_mib(m['resident'])} |")
+  return "\n".join(out)
+
+
+def compile_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: 2bw lowering and compile time against M."""
+  first = rows[0]
+  out = ["| M | lower (s) | compile wall (s) | compile CPU (s) | wall / first | CPU / first "
+         "| temporaries (MiB) |",
+         "|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    out.append(f"| {r['microbatches']} | {r['lower_s']:.2f} | {r['compile_s']:.1f} | "
+               f"{r['compile_cpu_s']:.1f} | {r['compile_s'] / first['compile_s']:.2f} | "
+               f"{r['compile_cpu_s'] / first['compile_cpu_s']:.2f} | {_mib(r['memory']['temp'])} |")
+  return "\n".join(out)
+
+
+def targets(rows: list[dict[str, Any]], compile_rows: list[dict[str, Any]]
+            ) -> list[dict[str, Any]]:
+  """The issue's targets, on wall-clock and on CPU time, with the tick-count prediction.
+
+  Each entry: target, wall, cpu (ratios), limit, status (on wall, the issue's
+  measure), cpu_status, predicted (tick counts; None for the one-device step).
+  """
+  by = {r["schedule"]: r for r in rows if "step_s" in r}
+  out = []
+
+  def entry(label, wall, cpu, limit, predicted):
+    return {"target": label, "wall": wall, "cpu": cpu, "limit": limit, "predicted": predicted,
+            "status": "PASS" if wall <= limit else "MISS",
+            "cpu_status": "PASS" if cpu <= limit else "MISS"}
+
+  for label, num, den, limit in TARGETS:
+    if num not in by or den not in by:
+      continue
+    s_, m = by[num]["stages"], by[num]["microbatches"]
+    predicted = ticks(num, s_, m) / ticks(den, s_, m) if den != "none" else None
+    out.append(entry(label, by[num]["step_s"] / by[den]["step_s"],
+                     by[num]["cpu_s"] / by[den]["cpu_s"], limit, predicted))
+  if len(compile_rows) >= 2:
+    first, last = compile_rows[0], compile_rows[-1]
+    out.append(entry(f"2bw compile M={last['microbatches']} / M={first['microbatches']}",
+                     last["compile_s"] / first["compile_s"],
+                     last["compile_cpu_s"] / first["compile_cpu_s"], COMPILE_LIMIT, 1.0))
+  return out
+
+
+def target_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: one line per target, judged on wall-clock and on CPU time."""
+  out = ["| target | limit | tick-count prediction | wall-clock | result (wall) | CPU time "
+         "| result (CPU) |", "|---|---:|---:|---:|---|---:|---|"]
+  for t in rows:
+    pred = "-" if t["predicted"] is None else f"{t['predicted']:.2f}"
+    out.append(f"| {t['target']} | <= {t['limit']} | {pred} | {t['wall']:.2f} | {t['status']} "
+               f"({t['wall'] / t['limit'] - 1:+.0%}) | {t['cpu']:.2f} | {t['cpu_status']} "
+               f"({t['cpu'] / t['limit'] - 1:+.0%}) |")
+  return "\n".join(out)
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: one line per (S, M, schedule) of the sweep."""
+  out = ["| S | M | schedule | ticks | bubble (timetable) | wall s/step | CPU s/step "
+         "| 2bw / this (wall) | 2bw / this (CPU) | this / none (CPU) |",
+         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for (s_, m), group in _groups(rows):
+    by = {r["schedule"]: r for r in group if "step_s" in r}
+    for r in group:
+      head = f"| {s_} | {m} | {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} |"
+      if "step_s" not in r:
+        out.append(f"{head} {r.get('skipped', '-')} | | | | |")
+        continue
+      ratio = lambda a, b, k: f"{a[k] / b[k]:.2f}" if a and b else "-"
+      two, none = by.get("2bw"), by.get("none")
+      out.append(f"{head} {r['step_s']:.3f} | {r['cpu_s']:.3f} | {ratio(two, r, 'step_s')} | "
+                 f"{ratio(two, r, 'cpu_s')} | {ratio(r, none, 'cpu_s')} |")
+  return "\n".join(out)
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[tuple[int, int], list[dict[str, Any]]]]:
+  keys = []
+  for r in rows:
+    k = (r["stages"], r["microbatches"])
+    if k not in keys:
+      keys.append(k)
+  return [(k, [r for r in rows if (r["stages"], r["microbatches"]) == k]) for k in keys]
+
+
+COLORS = {"none": "#7f7f7f", "gpipe": "#4c72b0", "1f1b": "#dd8452", "2bw": "#55a868",
+          "pipedream": "#c44e52"}
+# Schedules with equal curves (1f1b and pipedream bubbles; none and 2bw at 0)
+# stay visible: wide translucent lines under narrow dotted ones.
+STYLES = {"none": dict(marker="o", linestyle="--", linewidth=1.2),
+          "gpipe": dict(marker="s", linestyle="-", linewidth=1.6),
+          "1f1b": dict(marker="D", linestyle="-", linewidth=4.0, alpha=0.55),
+          "2bw": dict(marker="^", linestyle="-", linewidth=4.0, alpha=0.7),
+          "pipedream": dict(marker="x", linestyle=":", linewidth=1.6)}
+
+
+def draw_sweep(rows: list[dict[str, Any]], out: str, title: str) -> str:
+  """PNG: per S, wall and CPU step time and bubble against M, a line per schedule."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  stages = sorted({r["stages"] for r in rows})
+  ms = sorted({r["microbatches"] for r in rows})
+  fig, axes = plt.subplots(len(stages), 3, figsize=(15, 3.8 * len(stages)), squeeze=False)
+  for i, s_ in enumerate(stages):
+    for name in SCHEDULES:
+      pts = [r for r in rows if r["stages"] == s_ and r["schedule"] == name]
+      timed = [r for r in pts if "step_s" in r]
+      style = dict(color=COLORS[name], label=name, **STYLES[name])
+      x = [r["microbatches"] for r in timed]
+      if timed:
+        axes[i, 0].errorbar(x, [r["step_s"] for r in timed], capsize=2,
+                            yerr=[[r["step_s"] - r["step_min_s"] for r in timed],
+                                  [r["step_max_s"] - r["step_s"] for r in timed]], **style)
+        axes[i, 1].plot(x, [r["cpu_s"] for r in timed], **style)
+      valid = [r for r in pts if r["bubble"] is not None]
+      axes[i, 2].plot([r["microbatches"] for r in valid], [100 * r["bubble"] for r in valid],
+                      **style)
+    labels = ("wall-clock s per step (median, bars min-max)", "CPU s per step (median)",
+              "steady-state bubble (% of slots)")
+    for j, ylabel in enumerate(labels):
+      ax = axes[i, j]
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(ms)
+      ax.set_xticklabels([str(m) for m in ms])
+      ax.set_xlabel("microbatches per step M (global batch grows with M)")
+      ax.set_ylabel(ylabel, fontsize=9)
+      ax.set_title(f"S={s_} stages", fontsize=10)
+      ax.grid(alpha=0.3)
+    axes[i, 0].legend(fontsize=8)
+    axes[i, 2].legend(fontsize=8)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
+
+
+def machine() -> str:
+  """One line on the host: CPU, cores, load average, JAX version."""
+  import jax  # pylint: disable=g-import-not-at-top
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+    cpu = names[0] if names else cpu
+  except OSError:
+    pass
+  return (f"{cpu}; {os.cpu_count()} cores; jax {jax.__version__}; "
+          f"{jax.device_count()} emulated {jax.default_backend()} devices")
+
+
+def load() -> str:
+  """`os.getloadavg()` as text (1, 5, 15 minutes)."""
+  return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class _Parser(argparse.ArgumentParser):
+  """Reports a usage error as one line, like every other bad input."""
+
+  def error(self, message: str) -> None:
+    self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def _int_list(text: str) -> list[int]:
+  try:
+    values = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+  return values
+
+
+def _check(args, shape: ModelShape) -> None:
+  """Raises ValueError (one line) for settings the engine would refuse."""
+  stages = SWEEP_STAGES if args.sweep else (args.stages,)
+  for s_ in stages:
+    if s_ < 1:
+      raise ValueError(f"--stages must be >= 1, got {s_}")
+    if shape.layers % s_:
+      raise ValueError(f"--layers={shape.layers} is not divisible by {s_} stages")
+  if args.microbatches < 1:
+    raise ValueError(f"--microbatches must be >= 1, got {args.microbatches}")
+  if args.repeats < 1 or args.warmup < 1:
+    raise ValueError("--repeats and --warmup must be >= 1 (the first run of a program "
+                     "pays for allocations)")
+  need = 2 * (args.stages - 1)
+  if not args.sweep and args.microbatches < need:
+    raise ValueError(f"2bw with {args.stages} stages needs --microbatches >= 2(S-1) = {need}, "
+                     f"got {args.microbatches}")
+  if min(args.compile_m) < need:
+    raise ValueError(f"--compile-m values must be >= 2(S-1) = {need} for 2bw")
+  for key in ("dim", "heads", "kv_heads", "seq_len", "micro_rows"):
+    if getattr(shape, key) < 1:
+      raise ValueError(f"--{key.replace('_', '-')} must be >= 1")
+  if shape.dim % shape.heads or (shape.dim // shape.heads) % 2 or shape.heads % shape.kv_heads:
+    raise ValueError(f"--dim={shape.dim}, --heads={shape.heads}, --kv-heads={shape.kv_heads}: "
+                     "dim must split into heads of even size, heads into kv groups")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """Runs the benchmark (or the sweep) and prints / writes the tables."""
+  parser = _Parser(prog="bench_pipeline", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--stages", type=int, default=4, help="S (default 4)")
+  parser.add_argument("--microbatches", type=int, default=8, help="M (default 8)")
+  parser.add_argument("--sweep", action="store_true",
+                      help="S in {2, 4} x M in {4, 8, 16} instead of one (S, M)")
+  parser.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (default 5)")
+  parser.add_argument("--warmup", type=int, default=1,
+                      help="untimed steps per schedule first (default 1)")
+  parser.add_argument("--compile-m", type=_int_list, default=[8, 16, 32],
+                      help="M values for the 2bw compile-time sweep (default 8,16,32)")
+  parser.add_argument("--no-compile-sweep", action="store_true", help="skip compile time vs M")
+  d = ModelShape()
+  parser.add_argument("--dim", type=int, default=d.dim, help=f"model width (default {d.dim})")
+  parser.add_argument("--layers", type=int, default=d.layers, help=f"blocks (default {d.layers})")
+  parser.add_argument("--heads", type=int, default=d.heads)
+  parser.add_argument("--kv-heads", type=int, default=d.kv_heads)
+  parser.add_argument("--seq-len", type=int, default=d.seq_len,
+                      help=f"tokens per sequence (default {d.seq_len})")
+  parser.add_argument("--micro-rows", type=int, default=d.micro_rows,
+                      help=f"sequences per microbatch (default {d.micro_rows})")
+  parser.add_argument("--out-md", default="", help="write the markdown report here")
+  parser.add_argument("--out-png", default="", help="sweep: write the plot here")
+  parser.add_argument("--out-json", default="", help="write every measurement (raw) here")
+  args = parser.parse_args(argv)
+  shape = ModelShape(args.dim, args.layers, args.heads, args.kv_heads, args.seq_len,
+                     args.micro_rows)
+  try:
+    _check(args, shape)
+  except ValueError as e:
+    print(f"bench_pipeline: {e}", file=sys.stderr)
+    return 2
+  if args.out_png and not args.sweep:
+    print("bench_pipeline: --out-png draws the sweep; add --sweep", file=sys.stderr)
+    return 2
+
+  stages = SWEEP_STAGES if args.sweep else (args.stages,)
+  emulate_devices(max(stages))
+  import jax  # pylint: disable=g-import-not-at-top
+  # Compile times must be real compilations, not cache hits.
+  jax.config.update("jax_enable_compilation_cache", False)
+
+  log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  started, load_before = time.time(), load()
+  header = [f"machine: {machine()}",
+            f"model: {shape.layers} blocks, width {shape.dim}, {shape.heads} heads "
+            f"({shape.kv_heads} kv), vocab 257, seq {shape.seq_len}; microbatch "
+            f"{shape.micro_rows} sequences; adamw; float32",
+            f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}",
+            f"load average (1/5/15 min) at start: {load_before}"]
+  for line in header:
+    log(line)
+  sections, compile_rows = [], []
+  if args.sweep:
+    rows = []
+    for s_ in SWEEP_STAGES:
+      for m in SWEEP_MICROBATCHES:
+        rows += measure(shape, s_, m, warmup=args.warmup, repeats=args.repeats, log=log)
+    sections.append(("Sweep: step time per schedule (global batch = M x "
+                     f"{shape.micro_rows} sequences)", sweep_table(rows)))
+  else:
+    rows = measure(shape, args.stages, args.microbatches, warmup=args.warmup,
+                   repeats=args.repeats, log=log)
+    if not args.no_compile_sweep and args.compile_m:
+      done = next(r for r in rows if r["schedule"] == "2bw")
+      compile_rows = compile_vs_m(shape, args.stages, args.compile_m, done=done, log=log)
+    s_, m = args.stages, args.microbatches
+    sections.append((f"Step time, S={s_}, M={m}, global batch {m * shape.micro_rows} x "
+                     f"{shape.seq_len} tokens ({args.repeats} timed steps after {args.warmup} "
+                     "warm-up, round-robin)", step_table(rows)))
+    sections.append(("Memory per device, MiB (XLA memory analysis of the compiled step)",
+                     memory_table(rows)))
+    if compile_rows:
+      sections.append((f"2bw compile time against M (S={s_})", compile_table(compile_rows)))
+    sections.append(("Targets", target_table(targets(rows, compile_rows))))
+  elapsed = time.time() - started
+  footer = [f"load average at end: {load()}; wall time {elapsed:.0f} s"]
+  text = "\n".join(header) + "\n\n" + "\n\n".join(f"### {t}\n\n{body}" for t, body in sections)
+  text += "\n\n" + "\n".join(footer) + "\n"
+  print(text)
+  if args.out_md:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
+    with open(args.out_md, "w") as f:
+      f.write(text)
+    log(f"wrote {args.out_md}")
+  if args.out_json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)
+    with open(args.out_json, "w") as f:
+      json.dump({"header": header, "footer": footer, "rows": rows,
+                 "compile": compile_rows if not args.sweep else []}, f, indent=1)
+    log(f"wrote {args.out_json}")
+  if args.sweep and args.out_png:
+    log(f"wrote {draw_sweep(rows, args.out_png, f'{header[1]}; load {load_before}')}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
