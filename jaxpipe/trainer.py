@@ -88,11 +88,14 @@ def resolve_model(cfg: Config, data: data_lib.TokenData) -> Config:
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
-def build(cfg: Config, devices=None) -> Run:
-  """Builds data, model, optimizer, mesh and schedule from a validated config."""
-  data = open_data(cfg)
-  cfg = resolve_model(cfg, data)
+def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
+  """The model, the functions a pipeline stage runs, and the optimizer of a config.
+
+  `cfg.model.vocab_size` must be set (`resolve_model` fills it from the data).
+  Tools that need no token data (the planner, the benchmarks) start here.
+  """
   model = model_lib.build(cfg.model)
+
   def poisonable_head(shared, x, targets):
     # Fault injection for the non-finite guard: the trainer marks the chosen
     # batch with negative targets, whose loss then becomes NaN.
@@ -102,7 +105,14 @@ def build(cfg: Config, devices=None) -> Run:
 
   head = poisonable_head if cfg.run.debug_nan_step >= 0 else model.head_loss
   fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=head)
-  optimizer = optim.build(cfg.optimizer, cfg.run.steps)
+  return model, fns, optim.build(cfg.optimizer, cfg.run.steps)
+
+
+def build(cfg: Config, devices=None) -> Run:
+  """Builds data, model, optimizer, mesh and schedule from a validated config."""
+  data = open_data(cfg)
+  cfg = resolve_model(cfg, data)
+  model, fns, optimizer = components(cfg)
   lr_schedule = jax.jit(optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps))
   p = cfg.pipeline
   devices = jax.devices() if devices is None else devices

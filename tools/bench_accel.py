@@ -101,13 +101,13 @@ def run(model_cfg, opt_cfg, names, stages, batch, seq, m, steps, peak=0.0) -> li
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
-  from jaxpipe import optim  # pylint: disable=g-import-not-at-top
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import StageFns, make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
 
-  model = model_lib.build(model_cfg)
-  fns = StageFns(model.embed, model.apply_blocks, model.head_loss)
+  model, fns, optimizer = trainer.components(
+      config_lib.Config(model=model_cfg, optimizer=opt_cfg))
   devices = jax.devices()
   kind = devices[0].device_kind
   peak = peak or trainer.device_peak_tflops(kind) or 0.0
@@ -120,7 +120,7 @@ def run(model_cfg, opt_cfg, names, stages, batch, seq, m, steps, peak=0.0) -> li
     s = 1 if name == "none" else stages
     d = max(1, len(devices) // stages) if name != "none" else len(devices)
     mesh = make_mesh(s, d, devices)
-    sch = make_schedule(name, fns, optim.build(opt_cfg, 1000), mesh, m)
+    sch = make_schedule(name, fns, optimizer, mesh, m)
     state = sch.init(params, (m, batch // m, seq))
     put = lambda x: jax.device_put(jnp.asarray(x, jnp.int32), sch.batch_sharding())
     tok, tgt = put(tokens[0, ..., :-1]), put(tokens[0, ..., 1:])

@@ -135,14 +135,9 @@ def _model(shape: ModelShape, seed: int) -> tuple[Any, Any, Any]:
   the model's init is compiled once.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
-  from jaxpipe import optim  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import StageFns  # pylint: disable=g-import-not-at-top
-  cfg = make_config(shape, "none", 1, 1)
+  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
   # The pieces `jaxpipe.trainer.build` makes, minus the token data.
-  model = model_lib.build(cfg.model)
-  fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=model.head_loss)
-  optimizer = optim.build(cfg.optimizer, cfg.run.steps)
+  model, fns, optimizer = trainer.components(make_config(shape, "none", 1, 1))
   return fns, optimizer, jax.jit(model.init)(jax.random.key(seed))
 
 

@@ -213,9 +213,8 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
-  from jaxpipe import optim  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import (StageFns, make_mesh, make_schedule,  # pylint: disable=g-import-not-at-top
-                                min_microbatches)
+  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh, make_schedule, min_microbatches  # pylint: disable=g-import-not-at-top
 
   cfg = resolve_vocab(cfg)
   s_, d_, m = cfg.pipeline.stages, cfg.mesh.data, cfg.pipeline.microbatches
@@ -223,9 +222,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
     raise ConfigError(f"planning pipeline.stages x mesh.data = {s_} x {d_} needs {s_ * d_} "
                       f"devices for the shardings but JAX has {jax.device_count()}; run the "
                       "planner in a fresh process (it emulates them)")
-  model = model_lib.build(cfg.model)
-  fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=model.head_loss)
-  optimizer = optim.build(cfg.optimizer, cfg.run.steps)
+  model, fns, optimizer = trainer.components(cfg)
   params = jax.eval_shape(model.init, jax.random.key(0))
   batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
   rows = batch_shape[1] // d_  # sequences of one microbatch on one device
@@ -271,7 +268,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
     sched = make_schedule(name, fns, optimizer, mesh, m)
     state = jax.eval_shape(lambda p, sched=sched: sched.init(p, batch_shape), params)
     # The schedule's own placement rules (pytrees as in checkpoints).
-    nbytes = _device_bytes(state, sched._state_shardings(state))  # pylint: disable=protected-access
+    nbytes = _device_bytes(state, sched.state_shardings(state))
     key = "versions" if "versions" in state else "params"
     weights = sum(jax.tree.leaves(nbytes[key]))
     one_version = weights // weight_versions(name, s_)

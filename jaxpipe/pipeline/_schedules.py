@@ -183,15 +183,15 @@ class Schedule:
     fn = functools.partial(self._init_fn, batch_shape=tuple(batch_shape),
                            token_dtype=token_dtype)
     abstract = jax.eval_shape(fn, params)
-    return jax.jit(fn, out_shardings=self._state_shardings(abstract))(params)
+    return jax.jit(fn, out_shardings=self.state_shardings(abstract))(params)
 
   def _init_fn(self, params, *, batch_shape, token_dtype) -> State:
     del batch_shape, token_dtype
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "opt_state": self.opt.init(params)}
 
-  def _state_shardings(self, state: State) -> Tree:
-    """Shardings of every entry of a (possibly abstract) state."""
+  def state_shardings(self, state: State) -> Tree:
+    """Shardings of every entry of a state (arrays or `jax.eval_shape` structs)."""
     out = {}
     for key, value in state.items():
       if key == "params":
@@ -212,9 +212,6 @@ class Schedule:
   def params(self, state: State) -> Tree:
     """The newest weights (those the next batch runs on), natural shapes."""
     return state["params"]
-
-  def state_shardings(self, state: State) -> Tree:
-    return jax.tree.map(lambda x: x.sharding, state)
 
   def _step_fn(self, state: State, tokens, targets):
     raise NotImplementedError
