@@ -24,3 +24,14 @@ def test_readme_opens_with_the_two_commands():
   assert len(commands) == 2
   assert commands[0].endswith("train.py --config configs/quickstart.yaml")
   assert commands[1].endswith("-m pytest")
+
+
+def test_relative_links_point_at_files():
+  broken = []
+  for path in DOCS:
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", open(path).read()):
+      if "://" in target:
+        continue
+      if not os.path.exists(os.path.join(os.path.dirname(path), target)):
+        broken.append(f"{os.path.relpath(path, ROOT)} -> {target}")
+  assert not broken, broken
