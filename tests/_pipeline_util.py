@@ -214,7 +214,7 @@ def stale_reference(delays: tuple, num_microbatches: int, opt: str, *,
                     embed_head: Optional[tuple] = None, **opt_kwargs) -> Run:
   """One-device training where stage s's weights lag `delays[s]` updates.
 
-  DESIGN.md section 2's batch-granular model: batch k's loss and gradient are
+  The batch-granular model of docs/schedules.md: batch k's loss and gradient are
   taken at `stale_point(history, k, ...)`, and one optimizer step applies
   that gradient to the newest weights. PipeDream is delays (S-1, ..., 1, 0);
   all zeros is synchronous training. The embedding belongs to stage 0 and the

@@ -2,7 +2,7 @@
 
 The engine executes `step_plan`, and `timetable` unrolls the same plan, so
 these checks hold for what actually runs. Each property is checked against
-DESIGN.md section 2 written out independently here (tick formulas, versions,
+the schedules of docs/schedules.md written out independently here (tick formulas, versions,
 stash lifetimes, bubble fractions), not against the module's own helpers.
 """
 

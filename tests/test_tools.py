@@ -37,7 +37,7 @@ def _tool(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedPr
 
 
 def _expected_bubble(schedule: str, s: int, m: int) -> float:
-  """The steady-state bubble of DESIGN.md section 2, written out."""
+  """The steady-state bubble of docs/schedules.md, written out."""
   if s == 1 or schedule in ("none", "2bw"):
     return 0.0
   if schedule == "gpipe":

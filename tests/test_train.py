@@ -1,4 +1,4 @@
-"""End-to-end runs of train.py on the tiny config: the contract of DESIGN.md section 4."""
+"""End-to-end runs of train.py on the tiny config: its documented contract (metrics.jsonl, run directory, exit codes, resume)."""
 
 import glob
 import os

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput benchmark of the pipeline schedules on an emulated CPU mesh.
 
-  python tools/bench_pipeline.py                       # S=4, M=8: the issue's run
+  python tools/bench_pipeline.py                       # S=4, M=8: the targets' run
   python tools/bench_pipeline.py --repeats 7 --out-md /tmp/bench.md
   python tools/bench_pipeline.py --sweep --out-md /tmp/sweep.md --out-png docs/img/bench_sweep.png
 
@@ -21,7 +21,7 @@ global batch as M microbatches of gradient accumulation), it measures:
 - the steady-state bubble of each schedule, counted from the engine's
   timetable (`jaxpipe.pipeline.timetable`), the same cells the visualiser draws.
 
-It prints markdown tables and the issue's targets with PASS/MISS, and writes
+It prints markdown tables and the project's targets with PASS/MISS, and writes
 them to --out-md; --sweep runs S in {2, 4} x M in {4, 8, 16} and draws step
 time and bubble per schedule into --out-png.
 
@@ -52,7 +52,7 @@ SWEEP_STAGES = (2, 4)
 SWEEP_MICROBATCHES = (4, 8, 16)
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
-# Targets of the pipeline issue: (label, numerator, denominator, limit).
+# The project's targets for the 2bw step: (label, numerator, denominator, limit).
 TARGETS = (
     ("2bw step / gpipe step", "2bw", "gpipe", 0.8),
     ("2bw step / 1f1b step", "2bw", "1f1b", 0.8),
@@ -319,9 +319,9 @@ def compile_table(rows: list[dict[str, Any]]) -> str:
 
 def targets(rows: list[dict[str, Any]], compile_rows: list[dict[str, Any]]
             ) -> list[dict[str, Any]]:
-  """The issue's targets, on wall-clock and on CPU time, with the tick-count prediction.
+  """The project's targets, on wall-clock and on CPU time, with the tick-count prediction.
 
-  Each entry: target, wall, cpu (ratios), limit, status (on wall, the issue's
+  Each entry: target, wall, cpu (ratios), limit, status (on wall, the project's
   measure), cpu_status, predicted (tick counts; None for the one-device step).
   """
   by = {r["schedule"]: r for r in rows if "step_s" in r}

@@ -412,7 +412,7 @@ class OneFOneB(_Pipelined):
 class PipeDream(_Pipelined):
   """Original PipeDream's weight stashing: stage s runs batch k on w_s[k-(S-1-s)].
 
-  The batch-granular model of DESIGN.md section 2: every stage keeps its last
+  The batch-granular model of docs/schedules.md: every stage keeps its last
   S weight versions (a ring indexed by update count mod S); batch k's forward
   and backward on stage s use version max(0, k - d_s), d_s = S-1-s, and the
   gradient updates the newest version. Executed with 1F1B's flushed ticks, so

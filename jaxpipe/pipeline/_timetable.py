@@ -29,7 +29,7 @@ PIPELINED = ("gpipe", "1f1b", "2bw", "pipedream")
 def min_microbatches(schedule: str, num_stages: int) -> int:
   """The fewest microbatches per step a schedule accepts for S stages."""
   if schedule == "2bw":
-    # Every backward of batch k-1 must land within step k (DESIGN section 2).
+    # Every backward of batch k-1 must land within step k (docs/schedules.md).
     return max(1, 2 * (num_stages - 1))
   return 1
 
