@@ -127,6 +127,12 @@ def test_resume_keeps_finished_runs_and_continues_the_others(study, cache):
   # Both continue to the same numbers as before: the runs are deterministic.
   for s in ("delay", "delay-ef"):
     assert _final_val(os.path.join(study, f"adamw-{s}-s0")) == pytest.approx(finals[s], rel=1e-6)
+  # Both invocations are on record, each finished, in the results and the journal.
+  with open(os.path.join(study, "results.json")) as f:
+    history = json.load(f)["meta"]["invocations"]
+  assert [h["finished"] for h in history] == [True, True]
+  assert [h["runs"]["done"] for h in history] == [3, 3]
+  assert delay_study.read_history(os.path.join(study, "results.json")) == history
 
 
 def test_a_directory_of_another_config_is_refused(study, cache):
@@ -180,6 +186,29 @@ def test_bad_input_exits_2_with_one_line(tmp_path, cache, args, named):
   lines = p.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], p.stderr
   assert not out.exists()
+
+
+def test_an_invocation_killed_part_way_stays_on_record(tmp_path):
+  path = str(tmp_path / "results.json")
+  args = argparse.Namespace(jobs=2, threads=1)
+  # Journalled at its start and after its first run; then killed, so never finished.
+  delay_study.journal_update(path, args, 100.0, {}, finished=False)
+  delay_study.journal_update(path, args, 100.0, {"a": "done"}, finished=False)
+  # The next invocation resumes and finishes.
+  history = delay_study.journal_update(path, args, 200.0, {"a": "done", "b": "done"},
+                                       finished=True)
+  assert [h["t0"] for h in history] == [100.0, 200.0]
+  assert [h["finished"] for h in history] == [False, True]
+  assert [h["runs"]["done"] for h in history] == [1, 2]
+  assert delay_study.read_history(path) == history
+  meta = {"invocations": history, "elapsed_total_s": sum(h["elapsed_s"] for h in history)}
+  lines = delay_study._how_it_ran(meta, [{"wall_s": 1.0}])
+  assert "over 2 invocation(s), 1 of them stopped before the end" in lines[1]
+  # A result file written before journals existed still gives its own list.
+  old = tmp_path / "old" / "results.json"
+  old.parent.mkdir()
+  old.write_text(json.dumps({"meta": {"invocations": [{"command": "x", "elapsed_s": 1.0}]}}))
+  assert delay_study.read_history(str(old)) == [{"command": "x", "elapsed_s": 1.0}]
 
 
 def test_recovered_share():

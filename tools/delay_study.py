@@ -44,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -354,8 +354,11 @@ def child_env(threads: int, cache_dir: str) -> dict[str, str]:
 class Runner:
   """Runs cells as train.py processes, `jobs` at a time, and reports progress."""
 
-  def __init__(self, config_path: str, *, jobs: int, threads: int, cache_dir: str):
+  def __init__(self, config_path: str, *, jobs: int, threads: int, cache_dir: str,
+               on_progress: Optional[Callable[[dict[str, str]], None]] = None):
     self.config_path = config_path
+    self.on_progress = on_progress
+    self.outcome: dict[str, str] = {}
     self.jobs = jobs
     self.threads = threads
     self.env = child_env(threads, cache_dir)
@@ -374,6 +377,7 @@ class Runner:
     states = {c.name: cell_state(c, self.config_path) for c in cells}
     todo = [c for c in cells if states[c.name] != "done"]
     outcome = {c.name: "done" for c in cells if states[c.name] == "done"}
+    self.outcome = outcome
     counts = {s: sum(v == s for v in states.values()) for s in ("new", "resume", "restart", "done")}
     _say(f"{len(cells)} runs: {counts['done']} finished already, {counts['resume']} to resume "
          f"from a checkpoint, {counts['restart']} to restart, {counts['new']} to start; "
@@ -425,6 +429,8 @@ class Runner:
             eta = f", about {fmt_duration(math.ceil(left / self.jobs) * per)} left"
           _say(f"[{done:>3}/{len(cells)}] {name:<24} {what} ({fmt_duration(wall)}) | "
                f"elapsed {fmt_duration(time.time() - self.t0)}{eta}")
+          if self.on_progress is not None:
+            self.on_progress(dict(outcome))
     except KeyboardInterrupt:
       _say(f"interrupted: stopping {len(running)} run(s) at a checkpoint; "
            "run the same command to resume")
@@ -833,15 +839,50 @@ def write_json(path: str, data: dict[str, Any]) -> None:
 # --- modes ------------------------------------------------------------------------
 
 
-def _invocation(args: argparse.Namespace, t0: float, outcome: dict[str, str]) -> dict[str, Any]:
+def _invocation(args: argparse.Namespace, t0: float, outcome: dict[str, str],
+                finished: bool) -> dict[str, Any]:
   """What this invocation of the tool was and did: command, time, machine, commit, runs."""
   return {"command": shlex.join([os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "",
                                  *sys.argv[1:]]),
           "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(t0)),
-          "elapsed_s": round(time.time() - t0, 1), "jaxpipe_commit": git_commit(),
-          "machine": machine(), "jobs": args.jobs, "threads": args.threads,
+          "t0": t0, "elapsed_s": round(time.time() - t0, 1), "finished": finished,
+          "jaxpipe_commit": git_commit(), "machine": machine(), "jobs": args.jobs,
+          "threads": args.threads,
           "runs": {s: sum(v == s for v in outcome.values())
                    for s in ("done", "failed", "interrupted")}}
+
+
+def journal_path(result_path: str) -> str:
+  """The file beside a result file that lists the invocations behind it as they run."""
+  head, name = os.path.split(result_path)
+  return os.path.join(head, f".{os.path.splitext(name)[0]}.invocations.json")
+
+
+def read_history(result_path: str) -> list[dict[str, Any]]:
+  """The invocations behind a result file: its journal, else the result file's own list."""
+  for path, from_meta in ((journal_path(result_path), False), (result_path, True)):
+    try:
+      with open(path) as f:
+        data = json.load(f)
+    except (OSError, ValueError):
+      continue
+    return list((data.get("meta", {}) if from_meta else data).get("invocations", []))
+  return []
+
+
+def journal_update(result_path: str, args: argparse.Namespace, t0: float,
+                   outcome: dict[str, str], finished: bool) -> list[dict[str, Any]]:
+  """Records this invocation (identified by its start time) in the journal; returns the list.
+
+  Written when the invocation starts and after every run that ends, so one that
+  is killed outright (SIGKILL, a machine restart) still leaves its command and
+  its elapsed time up to its last finished run, marked as not finished.
+  """
+  history = [h for h in read_history(result_path) if h.get("t0") != t0]
+  history.append(_invocation(args, t0, outcome, finished))
+  os.makedirs(os.path.dirname(result_path) or ".", exist_ok=True)
+  write_json(journal_path(result_path), {"invocations": history})
+  return history
 
 
 def _meta(args: argparse.Namespace, t0: float, outcome: dict[str, str], plan: Plan,
@@ -849,18 +890,13 @@ def _meta(args: argparse.Namespace, t0: float, outcome: dict[str, str], plan: Pl
   """The study's scale and every invocation that trained into it.
 
   A sweep finished over several invocations (interrupted and resumed) keeps
-  each one's command and elapsed time, read back from the JSON at `path`;
+  each one's command and elapsed time, from the journal beside `path`;
   `--report` adds none, as it trains nothing.
   """
-  history = []
-  if os.path.exists(path):
-    try:
-      with open(path) as f:
-        history = json.load(f).get("meta", {}).get("invocations", [])
-    except (OSError, ValueError):
-      history = []
-  if not args.report:
-    history.append(_invocation(args, t0, outcome))
+  if args.report:
+    history = read_history(path)
+  else:
+    history = journal_update(path, args, t0, outcome, finished=True)
   return {"config": os.path.relpath(plan.config_path, ROOT), "overrides": list(plan.extra),
           "params": params, "steps": steps, "tokens_per_step": plan.tokens_per_step(),
           "tokens_per_param": round(steps * plan.tokens_per_step() / params, 2) if params else None,
@@ -876,10 +912,14 @@ def _how_it_ran(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
   last = history[-1]
   m = last["machine"]
   wall = sum(r["wall_s"] for r in runs)
+  # Records from before the journal existed have no "finished" key; they were written at the end.
+  cut = sum(not h.get("finished", True) for h in history)
+  note = (f", {cut} of them stopped before the end (counted up to their last finished run)"
+          if cut else "")
   lines = [f"- command: `{last['command']}`",
            f"- elapsed: {fmt_duration(meta['elapsed_total_s'])} over {len(history)} "
-           f"invocation(s) (the last one {fmt_duration(last['elapsed_s'])}); the runs' own wall "
-           f"time sums to {fmt_duration(wall)} over {len(runs)} runs",
+           f"invocation(s){note} (the last one {fmt_duration(last['elapsed_s'])}); the runs' "
+           f"own wall time sums to {fmt_duration(wall)} over {len(runs)} runs",
            f"- jobs: {last['jobs']} x {'1 thread' if last['threads'] == 1 else 'all threads'}",
            f"- machine: {m['cpu']}, {m['usable_cpus']} usable CPUs, {m['platform']}, "
            f"jax {m['jax']}; load average {m.get('load_avg_1m', '?')} at the end",
@@ -1118,12 +1158,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
        f"2bw check: {args.check_optimizer} lr {fmt_lr(lrs[args.check_optimizer])}, delayed + EF, "
        f"{args.check_steps} steps, M={args.check_microbatches}, simulated vs 2 emulated stages")
   outcome: dict[str, str] = {}
+  result_path = os.path.join(out, "check_2bw.json" if args.check_2bw else
+                             "lr_sweep.json" if args.lr_sweep else "results.json")
   if not args.report:
+    journal_update(result_path, args, t0, {}, finished=False)
     runner = Runner(config_path, jobs=args.jobs, threads=args.threads,
-                    cache_dir=os.path.join(out, ".jax_cache"))
+                    cache_dir=os.path.join(out, ".jax_cache"),
+                    on_progress=lambda o: journal_update(result_path, args, t0, o, False))
     try:
       outcome = runner.run(cells)
     except KeyboardInterrupt:
+      journal_update(result_path, args, t0, runner.outcome, finished=False)
       return 130
     except InputError as e:
       print(f"error: {e}", file=sys.stderr)
@@ -1136,8 +1181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.check_2bw:
     sim, pipe = cells
     result = compare_check(sim, pipe, args.check_rtol)
-    result["meta"] = _meta(args, t0, outcome, plan, params, args.check_steps,
-                           os.path.join(out, "check_2bw.json"))
+    result["meta"] = _meta(args, t0, outcome, plan, params, args.check_steps, result_path)
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "check_2bw.json"), result)
     verdict = "PASS" if result["passed"] else "FAIL"
