@@ -1183,7 +1183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = compare_check(sim, pipe, args.check_rtol)
     result["meta"] = _meta(args, t0, outcome, plan, params, args.check_steps, result_path)
     os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, "check_2bw.json"), result)
+    write_json(result_path, result)
     verdict = "PASS" if result["passed"] else "FAIL"
     _say(f"2bw check: {args.check_steps} steps, largest relative difference of the per-step "
          f"losses {result['max_rel_diff']:.2e} (tolerance {args.check_rtol:.0e}); final val "
