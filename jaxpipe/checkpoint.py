@@ -27,7 +27,7 @@ __all__ = ["Checkpointer", "RESUMABLE_KEYS", "config_differences", "check_compat
 # checkpoint, since it changes what the saved state means.
 RESUMABLE_KEYS = frozenset({
     "run.dir", "run.steps", "run.log_every", "run.progress", "run.nan_policy",
-    "run.debug_nan_step", "run.peak_tflops",
+    "run.debug_nan_step", "run.peak_tflops", "run.profile",
     "data.cache_dir", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
     "eval.every", "eval.batches", "dist.coordinator", "dist.num_processes", "dist.process_id",
 })

@@ -23,7 +23,7 @@ __all__ = [
     "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",
     "MeshConfig", "OptimizerConfig", "CheckpointConfig", "EvalConfig",
     "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict",
-    "apply_overrides", "validate",
+    "apply_overrides", "validate", "profile_window",
 ]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
@@ -41,6 +41,7 @@ class RunConfig:
   nan_policy: str = "skip"       # non-finite loss/grad: skip the update, or stop
   debug_nan_step: int = -1       # fault injection: make batch k's loss NaN (-1 = never)
   peak_tflops: float = 0.0       # per-device peak for MFU; 0 = known accelerators' bf16 peak
+  profile: str = ""              # START:STOP = a jax.profiler trace of those steps in run.dir/profile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,11 @@ class PipelineConfig:
   # 2(S-1)/(M+2(S-1)); 2bw idles only in the very first step and needs
   # M >= 2(S-1). With `none` this is plain gradient accumulation.
   microbatches: int = 1
+  # What a forward keeps for its backward: `inputs` (the stage input; the
+  # backward recomputes the stage's forward: 4 units of work per microbatch
+  # where 3 suffice) or `residuals` (what jax.vjp saves, as model.remat
+  # decides: no recomputation, more memory per stash slot).
+  stash: str = "inputs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +187,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
   if typ is str:
     if isinstance(value, str):
       return value
-    raise ConfigError(f"{key}: expected a string, got {_describe(value)}")
+    raise ConfigError(f"{key}: expected a string, got {_describe(value)} (quote it in YAML: "
+                      "unquoted 2:4 is the number 124)")
   raise TypeError(f"unsupported config field type {typ!r} for {key}")
 
 
@@ -240,7 +247,8 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str,
       if depth == len(parts) - 1:
         if isinstance(schema, dict):
           raise ConfigError(f"'{dotted}' is a section; set one of its keys: {', '.join(schema)}")
-        node[part] = _parse_scalar(text)
+        # A string key takes the text as written: YAML would read `2:4` as 124.
+        node[part] = text if isinstance(schema, str) else _parse_scalar(text)
       else:
         child = node.get(part)
         if child is None:
@@ -278,6 +286,20 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
   return cfg
 
 
+def profile_window(spec: str) -> tuple[int, int] | None:
+  """(start, stop) of `run.profile` ('START:STOP', steps START..STOP-1), or None for ''."""
+  if not spec:
+    return None
+  parts = spec.split(":")
+  try:
+    start, stop = (int(x) for x in parts)
+  except ValueError:
+    raise ConfigError(f"run.profile must be START:STOP (steps, e.g. 10:15), got '{spec}'") from None
+  if not 0 <= start < stop:
+    raise ConfigError(f"run.profile={spec}: need 0 <= START < STOP")
+  return start, stop
+
+
 def _check(cond: bool, message: str) -> None:
   if not cond:
     raise ConfigError(message)
@@ -302,6 +324,7 @@ def validate(cfg: Config) -> None:
          f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
   _check(m.remat in ("none", "full", "dots"), f"model.remat must be none, full or dots; got '{m.remat}'")
   _check(r.peak_tflops >= 0, f"run.peak_tflops must be >= 0, got {r.peak_tflops}")
+  profile_window(r.profile)
   for key in ("param_dtype", "compute_dtype"):
     _check(getattr(m, key) in ("float32", "bfloat16", "float16"),
            f"model.{key} must be float32, bfloat16 or float16, got '{getattr(m, key)}'")
@@ -312,6 +335,8 @@ def validate(cfg: Config) -> None:
   _check(p.schedule in SCHEDULES,
          f"pipeline.schedule must be one of {', '.join(SCHEDULES)}; got '{p.schedule}'")
   _check(p.stages >= 1, f"pipeline.stages must be >= 1, got {p.stages}")
+  _check(p.stash in ("inputs", "residuals"),
+         f"pipeline.stash must be inputs or residuals, got '{p.stash}'")
   _check(p.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {p.microbatches}")
   _check(cfg.mesh.data >= 1, f"mesh.data must be >= 1, got {cfg.mesh.data}")
   if p.schedule == "none":

@@ -88,6 +88,13 @@ def resolve_model(cfg: Config, data: data_lib.TokenData) -> Config:
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
+def stage_fns(model: model_lib.Model) -> StageFns:
+  """The model as a pipeline sees it: embedding, blocks, logits and vocabulary layout."""
+  return StageFns(embed=model.embed, stage=model.apply_blocks, logits=model.logits,
+                  vocab_size=model.cfg.vocab_size, vocab_axes=model.vocab_axes,
+                  prepare=model.compute_blocks)
+
+
 def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
   """The model, the functions a pipeline stage runs, and the optimizer of a config.
 
@@ -95,17 +102,7 @@ def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
   Tools that need no token data (the planner, the benchmarks) start here.
   """
   model = model_lib.build(cfg.model)
-
-  def poisonable_head(shared, x, targets):
-    # Fault injection for the non-finite guard: the trainer marks the chosen
-    # batch with negative targets, whose loss then becomes NaN.
-    poisoned = jnp.any(targets < 0)
-    return jnp.where(poisoned, jnp.nan, 1.0) * model.head_loss(shared, x,
-                                                               jnp.maximum(targets, 0))
-
-  head = poisonable_head if cfg.run.debug_nan_step >= 0 else model.head_loss
-  fns = StageFns(embed=model.embed, stage=model.apply_blocks, head=head)
-  return model, fns, optim.build(cfg.optimizer, cfg.run.steps)
+  return model, stage_fns(model), optim.build(cfg.optimizer, cfg.run.steps)
 
 
 def build(cfg: Config, devices=None) -> Run:
@@ -118,7 +115,7 @@ def build(cfg: Config, devices=None) -> Run:
   devices = jax.devices() if devices is None else devices
   launch.check_devices(cfg, devices)
   mesh = make_mesh(p.stages, cfg.mesh.data, devices)
-  schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches)
+  schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash)
   return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
 
 
@@ -222,6 +219,35 @@ class _Metrics:
       self._file.close()
       if self._tb is not None:
         self._tb.close()
+
+
+class _Profile:
+  """A `jax.profiler` trace of steps START..STOP-1 (`run.profile=START:STOP`) in run.dir/profile."""
+
+  def __init__(self, spec: str, run_dir: str, is_main: bool):
+    self.window = config_lib.profile_window(spec)
+    self.dir = os.path.join(run_dir, "profile")
+    self.is_main = is_main
+    self.active = False
+
+  def before(self, step: int) -> None:
+    """Starts the trace before step START is dispatched."""
+    if self.window and step == self.window[0] and not self.active:
+      jax.profiler.start_trace(self.dir)
+      self.active = True
+
+  def after(self, step: int) -> None:
+    """Stops the trace once step STOP-1 has finished."""
+    if self.active and step == self.window[1] - 1:
+      self.close()
+
+  def close(self) -> None:
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+      if self.is_main:
+        _say(f"wrote a profile of steps {self.window[0]}-{self.window[1] - 1} to {self.dir} "
+             "(open it with TensorBoard's profile plugin, xprof or Perfetto)")
 
 
 def _meta(cfg: Config, step: int) -> dict[str, Any]:
@@ -364,47 +390,78 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   saved_at = latest
   steady = [0, 0.0]  # steps after the first, and their seconds
   t_run = time.time()
+  profile = _Profile(cfg.run.profile, run_dir, is_main)
+  # With nan_policy=stop, step k+1 runs only if step k's update was finite:
+  # it is queued before the host has read step k's metrics, and the state is
+  # donated, so the device program itself keeps the last good state.
+  halt = cfg.run.nan_policy == "stop"
+  go = jax.device_put(np.asarray(True), schedule.replicated()) if halt else None
+  clock = {"ready": None}
+
+  def settle(k: int, met_dev: Any, dispatched: float) -> bool:
+    """Reads step k's metrics (waiting for it), records them; False: stop (non-finite)."""
+    met = jax.device_get(met_dev)
+    now = time.time()
+    # A step's time is the interval between two steps' completions, so time
+    # the host spends between steps (and a stalled device) is counted.
+    since = clock["ready"] if clock["ready"] is not None else dispatched
+    step_times[k] = now - since
+    clock["ready"] = now
+    if k > start:  # the first step of a process includes compilation
+      steady[0] += 1
+      steady[1] += step_times[k]
+    j = int(met["loss_step"])
+    finite = bool(met["finite"])
+    if not finite and cfg.run.nan_policy == "skip":
+      summary["skipped"] += 1
+    if j >= 0:
+      record(j, float(met["loss"]), {"grad_norm": float(met["grad_norm"]),
+                                     "skipped": summary["skipped"]})
+    if not finite:
+      where = _where_nonfinite(met, schedule.num_stages)
+      if cfg.run.nan_policy == "stop":
+        summary["stopped_at"] = (k, k - lag, where)
+        return False
+      _say(f"skipped the update of step {k}: non-finite loss or gradient of batch "
+           f"{k - lag} {where} ({summary['skipped']} skipped so far)")
+    if bar is not None:
+      if j >= 0 and ((k + 1) % cfg.run.log_every == 0 or k + 1 == cfg.run.steps):
+        fast = speed(step_times.get(k))
+        bar.set_postfix(loss=f"{float(met['loss']):.4f}",
+                        tok_s=f"{fast.get('tokens_per_s', 0):.0f}",
+                        **({"mfu": f"{fast['mfu']:.1%}"} if "mfu" in fast else {}))
+      bar.update(1)
+    profile.after(k)
+    return True
+
+  def stop_nonfinite() -> None:
+    # The step after the bad one did nothing (go was false), so `state` is
+    # the last good state: the bad step's update was skipped.
+    k, batch_k, where = summary["stopped_at"]
+    ckpt.save(k + 1, (state, rng), it.get_state(), _meta(cfg, k + 1))
+    ckpt.wait()
+    _say(f"stopped: non-finite loss or gradient of batch {batch_k} (step {k}) {where}; "
+         f"the last good state is saved as step {k + 1} in {ckpt.directory}")
+    summary["exit_code"] = EXIT_NONFINITE
+
+  pending = None  # (step, its metrics on the device, dispatch time)
   step = start
   try:
     for step in range(start, cfg.run.steps):
-      batch = next(it)
+      batch = next(it)  # the host prepares batch k while the devices run step k-1
       if step == cfg.run.debug_nan_step:
         batch["targets"] = np.full_like(batch["targets"], -1)
       tokens, targets = to_global(batch["tokens"]), to_global(batch["targets"])
+      profile.before(step)
       t0 = time.time()
-      state, met = schedule.step(state, tokens, targets)
-      met = jax.device_get(met)  # waits for the step: the host reads its loss
-      step_times[step] = time.time() - t0
-      if step > start:  # the first step of a process includes compilation
-        steady[0] += 1
-        steady[1] += step_times[step]
-      k = int(met["loss_step"])
-      finite = bool(met["finite"])
-      if not finite and cfg.run.nan_policy == "skip":
-        summary["skipped"] += 1
-      if k >= 0:
-        record(k, float(met["loss"]), {"grad_norm": float(met["grad_norm"]),
-                                       "skipped": summary["skipped"]})
-      if not finite:
-        where = _where_nonfinite(met, schedule.num_stages)
-        batch_k = step - lag
-        if cfg.run.nan_policy == "stop":
-          ckpt.save(step + 1, (state, rng), it.get_state(), _meta(cfg, step + 1))
-          ckpt.wait()
-          saved_at = step + 1
-          _say(f"stopped: non-finite loss or gradient of batch {batch_k} (step {step}) {where}; "
-               f"the last good state is saved as step {step + 1} in {ckpt.directory}")
-          summary["exit_code"] = EXIT_NONFINITE
-          break
-        _say(f"skipped the update of step {step}: non-finite loss or gradient of batch "
-             f"{batch_k} {where} ({summary['skipped']} skipped so far)")
-      if bar is not None:
-        if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
-          fast = speed(step_times.get(step))
-          bar.set_postfix(loss=f"{float(met['loss']):.4f}",
-                          tok_s=f"{fast.get('tokens_per_s', 0):.0f}",
-                          **({"mfu": f"{fast['mfu']:.1%}"} if "mfu" in fast else {}))
-        bar.update(1)
+      state, met = schedule.step(state, tokens, targets, go)
+      if halt:
+        go = met["finite"]
+      previous, pending = pending, (step, met, t0)
+      if previous is not None and not settle(*previous):
+        pending = None
+        stop_nonfinite()
+        break
       done = step + 1
       if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
         log.write({"step": done, "val_loss": evaluate(state)})
@@ -412,6 +469,10 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
         ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
         saved_at = done
       if stop_signal:
+        ok, pending = settle(*pending), None
+        if not ok:
+          stop_nonfinite()
+          break
         if saved_at != done:
           ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
         ckpt.wait()
@@ -422,23 +483,27 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
         summary["exit_code"] = EXIT_INTERRUPTED + stop_signal[0]
         break
     else:
-      # Every process runs the end of a run (evaluation is a collective), also
-      # when a finished run is started again: its last reports are redone.
-      done = cfg.run.steps
-      if start == done and is_main:
-        _say(f"the run in {run_dir} is already complete at step {done}; raise run.steps "
-             "to continue it")
-      pending = schedule.pending_loss(state)
-      if pending is not None:
-        record(done - 1, float(pending), {"skipped": summary["skipped"]})
-      val = evaluate(state)
-      if val is not None:
-        if done not in log.val_steps:
-          log.write({"step": done, "val_loss": val})
-        summary["val_loss"] = val
-      if saved_at != done:
-        ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
+      if pending is not None and not settle(*pending):
+        stop_nonfinite()
+      else:
+        # Every process runs the end of a run (evaluation is a collective), also
+        # when a finished run is started again: its last reports are redone.
+        done = cfg.run.steps
+        if start == done and is_main:
+          _say(f"the run in {run_dir} is already complete at step {done}; raise run.steps "
+               "to continue it")
+        pending_loss = schedule.pending_loss(state)
+        if pending_loss is not None:
+          record(done - 1, float(pending_loss), {"skipped": summary["skipped"]})
+        val = evaluate(state)
+        if val is not None:
+          if done not in log.val_steps:
+            log.write({"step": done, "val_loss": val})
+          summary["val_loss"] = val
+        if saved_at != done:
+          ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
   finally:
+    profile.close()
     if bar is not None:
       bar.close()
     for sig, handler in handlers.items():

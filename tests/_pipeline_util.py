@@ -1,8 +1,9 @@
 """Shared pieces of the pipeline tests: a tiny model, fixed batches, cached runs.
 
-Every distinct (schedule, mesh, microbatches, optimizer) costs an XLA compile
-of several seconds on a 2-core CPU, so each training run is made once per
-test session (`run` is cached) and compared by as many tests as need it.
+Every distinct (schedule, mesh, microbatches, optimizer, stash, model) costs
+an XLA compile of several seconds on a 2-core CPU, so each training run is
+made once per test session (`run` is cached) and compared by as many tests
+as need it.
 
 The global batch is ROWS sequences per microbatch, whatever the mesh, so a
 pipeline on S x D devices and the one-device reference see the very same
@@ -11,6 +12,7 @@ microbatches (a pipeline's data shard of a microbatch is ROWS / D rows).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import Any, NamedTuple, Optional
@@ -22,6 +24,7 @@ import optax
 
 from jaxpipe import model as model_lib
 from jaxpipe import optim
+from jaxpipe import trainer
 from jaxpipe.config import ModelConfig
 from jaxpipe.pipeline import StageFns, make_mesh, make_schedule
 
@@ -35,6 +38,9 @@ STEPS = 5  # enough for pipedream's stage 0 (delay 3 at S = 4) to see an update
 # amplifies float32 rounding far above 1e-6. Muon's rate is for the hidden
 # matrices; its AdamW part (embedding, head, norms) gets AdamW's rate.
 ADAMW_LR, MUON_LR = 1e-3, 0.02
+# Plain SGD (no momentum) for the bfloat16 comparison, whose update is linear
+# in the gradient; at 0.5 each leaf moves well beyond its rounding in 5 steps.
+SGD_LR = 0.5
 # Adam's update lr * g / (|g| + eps) has slope lr / eps in a gradient entry
 # that is zero up to rounding. With eps = 1e-8 that is 1e5: one such entry
 # (of 12288 in an MLP kernel, at S=2, D=2, M=3) turned a 3e-11 difference in
@@ -48,37 +54,52 @@ class Run(NamedTuple):
 
   Attributes:
     losses: [STEPS] mean loss of batch k at the weights batch k ran on.
-    params: the newest weights after STEPS steps, as NumPy arrays.
+    params: the newest weights after STEPS steps, as NumPy arrays (natural,
+      unpadded shapes: `Schedule.params`).
     loss_steps: metrics['loss_step'] of each step, in order.
     hlo: the compiled step's HLO text.
+    grad_norms: [STEPS] metrics['grad_norm'] by the batch it belongs to (the
+      norm of the gradient before the optimizer, so before any clipping).
+    state_params: the newest weights as the state holds them (vocabulary
+      padded to a multiple of S), as NumPy arrays.
   """
   losses: np.ndarray
   params: Any
   loss_steps: tuple
   hlo: Optional[str]
+  grad_norms: Optional[np.ndarray] = None
+  state_params: Any = None
+
+
+def config(**changes) -> ModelConfig:
+  """CONFIG with some fields changed (tied embeddings, remat, bfloat16, vocabulary)."""
+  return dataclasses.replace(CONFIG, **changes)
 
 
 @functools.cache
-def model() -> model_lib.Model:
-  """The tiny Llama-style model shared by every pipeline test."""
-  return model_lib.build(CONFIG)
+def model(cfg: ModelConfig = CONFIG) -> model_lib.Model:
+  """The tiny Llama-style model shared by every pipeline test (or a variant of it)."""
+  return model_lib.build(cfg)
 
 
-def stage_fns() -> StageFns:
+def stage_fns(cfg: ModelConfig = CONFIG) -> StageFns:
   """The model as the pipeline sees it."""
-  m = model()
-  return StageFns(embed=m.embed, stage=m.apply_blocks, head=m.head_loss)
+  return trainer.stage_fns(model(cfg))
 
 
 @functools.cache
-def initial_params() -> Any:
-  """The starting weights, as NumPy arrays (a schedule's `init` places them)."""
+def initial_params(cfg: ModelConfig = CONFIG) -> Any:
+  """The starting weights, as NumPy arrays (a schedule's `init` places them).
+
+  Variants that change neither shapes nor float32 weights (remat, compute
+  dtype) start from exactly CONFIG's weights.
+  """
   # Jitted: run eagerly, flax's init compiles every small op on its own.
-  return jax.device_get(jax.jit(model().init)(jax.random.key(0)))
+  return jax.device_get(jax.jit(model(cfg).init)(jax.random.key(0)))
 
 
 @functools.cache
-def batches(num_microbatches: int) -> tuple:
+def batches(num_microbatches: int, vocab_size: int = CONFIG.vocab_size) -> tuple:
   """STEPS (tokens, targets) pairs of int32 [M, ROWS, SEQ], distinct arrays.
 
   Targets are the tokens shifted by one, as in language modelling, so a
@@ -87,26 +108,32 @@ def batches(num_microbatches: int) -> tuple:
   rng = np.random.default_rng(1234 + num_microbatches)
   out = []
   for _ in range(STEPS):
-    seq = rng.integers(0, CONFIG.vocab_size, (num_microbatches, ROWS, SEQ + 1)).astype(np.int32)
+    seq = rng.integers(0, vocab_size, (num_microbatches, ROWS, SEQ + 1)).astype(np.int32)
     out.append((np.ascontiguousarray(seq[..., :-1]), np.ascontiguousarray(seq[..., 1:])))
   return tuple(out)
 
 
-def optimizer(name: str, *, ef: float = 0.0, delay: int = 0,
-              ef_outside: bool = False) -> optax.GradientTransformation:
-  """jaxpipe's AdamW or Muon, optionally `delay(error_feedback(opt, ef), delay)`.
+def optimizer(name: str, *, ef: float = 0.0, delay: int = 0, ef_outside: bool = False,
+              clip: float = 0.0) -> optax.GradientTransformation:
+  """jaxpipe's AdamW, Muon or plain SGD, optionally `delay(error_feedback(opt, ef), delay)`.
 
   That order is the project's: a 2BW pipeline calls its optimizer only once a
   delayed gradient exists, so the one-device equivalent of 2bw with the
   correction wraps the correction in the delay. `ef_outside` builds the other
-  order, `error_feedback(delay(opt))`, for a negative control.
+  order, `error_feedback(delay(opt))`, for a negative control. `clip` > 0
+  clips the gradient's global norm first, where `optim.build` puts
+  `optimizer.clip_norm`.
   """
   if name == "adamw":
     opt = optim.adamw(ADAMW_LR, eps=ADAM_EPS)
   elif name == "muon":
     opt = optim.muon(MUON_LR, adam_learning_rate=ADAMW_LR, eps=ADAM_EPS)
+  elif name == "sgd":
+    opt = optim.sgd(SGD_LR, momentum=None)
   else:
     raise ValueError(name)
+  if clip:
+    opt = optax.chain(optax.clip_by_global_norm(clip), opt)
   if ef and not ef_outside:
     opt = optim.error_feedback(opt, ef)
   if delay:
@@ -116,10 +143,26 @@ def optimizer(name: str, *, ef: float = 0.0, delay: int = 0,
   return opt
 
 
-@functools.cache
 def run(schedule: str, num_stages: int, num_data: int, num_microbatches: int, opt: str, *,
-        ef: float = 0.0, delay: int = 0, ef_outside: bool = False) -> Run:
+        ef: float = 0.0, delay: int = 0, ef_outside: bool = False, clip: float = 0.0,
+        stash: str = "inputs", cfg: ModelConfig = CONFIG) -> Run:
   """Trains STEPS steps with a schedule; cached for the session.
+
+  `stash` is the pipeline's ('inputs' or 'residuals'); `schedule=none` has no
+  stash, so its runs are one cache entry whatever `stash` says. `cfg` is the
+  model (CONFIG or a `config(...)` variant); its batches draw tokens from
+  its vocabulary.
+  """
+  if schedule == "none":
+    stash = "inputs"
+  return _run(schedule, num_stages, num_data, num_microbatches, opt, ef, delay, ef_outside,
+              clip, stash, cfg)
+
+
+@functools.cache
+def _run(schedule, num_stages, num_data, num_microbatches, opt, ef, delay, ef_outside, clip,
+         stash, cfg) -> Run:
+  """`run`, with every argument explicit so that equal runs share one cache entry.
 
   The step is compiled once, through `lower_step` for its HLO; `step` then
   finds that executable in JAX's cache.
@@ -129,29 +172,32 @@ def run(schedule: str, num_stages: int, num_data: int, num_microbatches: int, op
   from `pending_loss`.
   """
   m = num_microbatches
-  sch = make_schedule(schedule, stage_fns(),
-                      optimizer(opt, ef=ef, delay=delay, ef_outside=ef_outside),
-                      make_mesh(num_stages, num_data), m)
-  params = jax.tree.map(jnp.asarray, initial_params())
+  sch = make_schedule(schedule, stage_fns(cfg),
+                      optimizer(opt, ef=ef, delay=delay, ef_outside=ef_outside, clip=clip),
+                      make_mesh(num_stages, num_data), m, stash=stash)
+  params = jax.tree.map(jnp.asarray, initial_params(cfg))
   state = sch.init(params, (m, ROWS, SEQ))
-  losses, loss_steps, hlo = {}, [], None
-  for tok, tgt in batches(m):
+  losses, norms, loss_steps, hlo = {}, {}, [], None
+  for tok, tgt in batches(m, cfg.vocab_size):
     tok = jax.device_put(tok, sch.batch_sharding())
     tgt = jax.device_put(tgt, sch.batch_sharding())
     if hlo is None:
       hlo = sch.lower_step(state, tok, tgt).compile().as_text()
     state, metrics = sch.step(state, tok, tgt)
+    assert bool(metrics["ran"])
     step = int(metrics["loss_step"])
     loss_steps.append(step)
     if step >= 0:
       assert step not in losses
       losses[step] = float(metrics["loss"])
+      norms[step] = float(metrics["grad_norm"])
   pending = sch.pending_loss(state)
   if pending is not None:
     losses[STEPS - 1] = float(pending)
   assert sorted(losses) == list(range(STEPS)), losses
   return Run(np.array([losses[k] for k in range(STEPS)]), jax.device_get(sch.params(state)),
-             tuple(loss_steps), hlo)
+             tuple(loss_steps), hlo, np.array([norms.get(k, np.nan) for k in range(STEPS)]),
+             jax.device_get(sch.newest(state)))
 
 
 # --- the pipedream reference -------------------------------------------------
@@ -344,3 +390,42 @@ def entry_parameter_shapes(hlo: str) -> list[tuple[int, ...]]:
     elif inside and _opcode("parameter").search(line.split("=", 1)[-1]):
       shapes += result_shapes(line, "parameter")
   return shapes
+
+
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def replica_groups(line: str, num_devices: int) -> list[frozenset]:
+  """The device groups of a collective's `replica_groups`, in any of XLA's spellings.
+
+  Explicit `{{0,2},{1,3}}`; iota `[G,N]<=[dims]T(perm)`; the mesh form
+  `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}` (a group per value of the axes not
+  named, devices numbered row-major over the mesh); `{}` is every device.
+  An unknown spelling raises, so a check built on this cannot pass vacuously.
+  """
+  found = _EXPLICIT_GROUPS.search(line)
+  if found:
+    groups = re.findall(r"\{([0-9,]*)\}", found.group(1))
+    if not groups:
+      return [frozenset(range(num_devices))]
+    return [frozenset(int(x) for x in g.split(",") if x) for g in groups]
+  found = _IOTA_GROUPS.search(line)
+  if found:
+    n_groups, size = int(found.group(1)), int(found.group(2))
+    dims = [int(x) for x in found.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if found.group(4):
+      ids = ids.transpose([int(x) for x in found.group(4).split(",")])
+    return [frozenset(row.tolist()) for row in ids.reshape(n_groups, size)]
+  found = _MESH_GROUPS.search(line)
+  if found:
+    axes = re.findall(r"'(\w+)'=(\d+)", found.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    grouped = re.findall(r"'(\w+)'", found.group(2))
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    order = [i for i, a in enumerate(names) if a not in grouped] + [names.index(a) for a in grouped]
+    size = int(np.prod([sizes[names.index(a)] for a in grouped]))
+    return [frozenset(row.tolist()) for row in ids.transpose(order).reshape(-1, size)]
+  raise ValueError(f"no replica_groups this parser knows in: {line[:200]}")

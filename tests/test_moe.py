@@ -14,15 +14,16 @@ import pytest
 
 from jaxpipe import model as model_lib
 from jaxpipe import optim
+from jaxpipe import trainer
 from jaxpipe.config import ModelConfig, MoEConfig
-from jaxpipe.pipeline import StageFns, make_mesh, make_schedule
+from jaxpipe.pipeline import make_mesh, make_schedule
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
                   moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25,
                                 aux_loss_coeff=0.1))
 ROWS, SEQ, STEPS = 4, 8, 4
 MODEL = model_lib.build(CFG)
-FNS = StageFns(embed=MODEL.embed, stage=MODEL.apply_blocks, head=MODEL.head_loss)
+FNS = trainer.stage_fns(MODEL)
 
 
 def _opt(delay=0):
@@ -40,8 +41,8 @@ def _batches(m):
 _INIT = jax.device_get(jax.jit(MODEL.init)(jax.random.key(0)))
 
 
-def _run(schedule, stages, data, m, tx):
-  sch = make_schedule(schedule, FNS, tx, make_mesh(stages, data), m)
+def _run(schedule, stages, data, m, tx, stash="inputs"):
+  sch = make_schedule(schedule, FNS, tx, make_mesh(stages, data), m, stash=stash)
   state = sch.init(jax.tree.map(jnp.asarray, _INIT), (m, ROWS, SEQ))
   losses = {}
   for tok, tgt in _batches(m):
@@ -74,8 +75,11 @@ def test_synchronous_schedules_match_one_device(schedule, stages, data, m):
   _match(_run(schedule, stages, data, m, _opt()), _run("none", 1, 1, m, _opt()))
 
 
-def test_2bw_matches_one_device_with_delay():
-  _match(_run("2bw", 2, 2, 2, _opt()), _run("none", 1, 1, 2, _opt(delay=1)))
+@pytest.mark.parametrize("stash", ["inputs", "residuals"])
+def test_2bw_matches_one_device_with_delay(stash):
+  """Either stash: with 'residuals' the routing and the load-balancing loss of the
+  forward are what the backward pulls back through, not a recomputation."""
+  _match(_run("2bw", 2, 2, 2, _opt(), stash), _run("none", 1, 1, 2, _opt(delay=1)))
 
 
 def test_pipedream_matches_stale_reference():

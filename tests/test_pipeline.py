@@ -1,11 +1,18 @@
 """Numerical tests of the pipeline engine against one-device references.
 
-On an emulated 8-device CPU mesh (`conftest.py`), in float32:
+On an emulated 8-device CPU mesh (`conftest.py`), in float32, each with
+both stashes (stage inputs recomputed in the backward, or jax.vjp residuals):
 - gpipe and 1f1b against `schedule=none` on the same global batch;
 - 2bw against `schedule=none` with `optim.delay(opt, 1)`, for AdamW and Muon,
   with and without `optim.error_feedback`;
 - pipedream against a one-device reference with stage-dependent delays;
-- the compiled 2bw step's collectives (stage-to-stage permutes only);
+- model and optimizer variants against one device: tied embeddings, remat,
+  a gradient clip that binds, a vocabulary that S does not divide;
+- bfloat16 compute against one device in bfloat16, to a derived tolerance;
+- what a 1f1b step executes on each stage, recorded from inside the step,
+  against the timetable;
+- the compiled 2bw step's collectives (stage-to-stage permutes, and per-tick
+  reductions over 'stage' only for the vocabulary-parallel embedding and head);
 - clear errors for impossible settings.
 
 "Match" means the same loss for every batch (rtol 1e-5, atol 1e-6) and the same
@@ -13,13 +20,18 @@ final weights (atol 5e-6). Each training run is cached in `_pipeline_util`,
 so a run that several tests compare is compiled and trained once.
 """
 
+import collections
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpipe.pipeline import make_mesh, make_schedule
+from jaxpipe.pipeline import make_mesh, make_schedule, step_plan, timetable
 
 from tests import _pipeline_util as util
 from tests._pipeline_util import STEPS, assert_runs_match, run, stale_reference
@@ -37,18 +49,26 @@ def _shape_id(shape) -> str:
   return f"S{s}-D{d}-M{m}"
 
 
+# What a forward keeps for its backward: the stage input (recomputed in the
+# backward) or jax.vjp's residuals. The two take different code paths through
+# the engine and must compute the same numbers.
+STASHES = ["inputs", "residuals"]
+each_stash = pytest.mark.parametrize("stash", STASHES)
+
+
 # --- gpipe and 1f1b ----------------------------------------------------------
 
 # S=2 with M = S; S=2 and data=2 with M not a multiple of S; S=4 and data=2.
 SYNC_SHAPES = [(2, 1, 2), (2, 2, 3), (4, 2, 4)]
 
 
+@each_stash
 @pytest.mark.parametrize("shape", SYNC_SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_synchronous_schedules_match_one_device(schedule, shape):
-  """gpipe and 1f1b train exactly as one device on the whole batch."""
+def test_synchronous_schedules_match_one_device(schedule, shape, stash):
+  """gpipe and 1f1b train exactly as one device on the whole batch, with either stash."""
   s, d, m = shape
-  got = run(schedule, s, d, m, "adamw")
+  got = run(schedule, s, d, m, "adamw", stash=stash)
   want = run("none", 1, 1, m, "adamw")
   assert got.loss_steps == tuple(range(STEPS))
   assert_runs_match(got, want)
@@ -77,16 +97,17 @@ TWO_BW_CASES = [
 HLO_CASE = ("adamw", 0.0, (4, 2, 6))
 
 
-def _run_2bw(opt, ef, shape):
+def _run_2bw(opt, ef, shape, stash="inputs"):
   """The (cached) 2bw run of a TWO_BW_CASES entry."""
   s, d, m = shape
-  return run("2bw", s, d, m, opt, ef=ef)
+  return run("2bw", s, d, m, opt, ef=ef, stash=stash)
 
 
+@each_stash
 @pytest.mark.parametrize("opt,ef,shape", TWO_BW_CASES,
                          ids=[f"{o}-ef{e:g}-{_shape_id(x)}" for o, e, x in TWO_BW_CASES])
-def test_2bw_matches_one_device_with_delayed_optimizer(opt, ef, shape):
-  """2bw with optimizer U trains as one device with `delay(U, 1)`.
+def test_2bw_matches_one_device_with_delayed_optimizer(opt, ef, shape, stash):
+  """2bw with optimizer U trains as one device with `delay(U, 1)`, with either stash.
 
   With the correction the pipeline runs `error_feedback(U, c)` and the
   reference `delay(error_feedback(U, c), 1)`: the pipeline first calls its
@@ -95,7 +116,7 @@ def test_2bw_matches_one_device_with_delayed_optimizer(opt, ef, shape):
   `pending_loss`; the weights are the newest version v[STEPS].
   """
   m = shape[2]
-  got = _run_2bw(opt, ef, shape)
+  got = _run_2bw(opt, ef, shape, stash)
   want = run("none", 1, 1, m, opt, ef=ef, delay=1)
   assert got.loss_steps == tuple(range(-1, STEPS - 1))
   assert_runs_match(got, want)
@@ -142,16 +163,17 @@ def _pipedream_delays(num_stages):
   return tuple(num_stages - 1 - s for s in range(num_stages))
 
 
+@each_stash
 @pytest.mark.parametrize("shape", PIPEDREAM_SHAPES, ids=_shape_id)
-def test_pipedream_matches_stage_delayed_reference(shape):
-  """pipedream trains as one device with stage s's weights S-1-s updates old.
+def test_pipedream_matches_stage_delayed_reference(shape, stash):
+  """pipedream trains as one device with stage s's weights S-1-s updates old (either stash).
 
   The reference keeps the weight history and runs batch k with stage s's
   blocks, and the embedding (stage 0) or head (stage S-1) of its stage, at
   version max(0, k-(S-1-s)); the gradient there updates the newest weights.
   """
   s, d, m = shape
-  got = run("pipedream", s, d, m, "adamw")
+  got = run("pipedream", s, d, m, "adamw", stash=stash)
   want = stale_reference(_pipedream_delays(s), m, "adamw")
   assert got.loss_steps == tuple(range(STEPS))
   assert_runs_match(got, want)
@@ -180,9 +202,352 @@ def test_stale_reference_without_delays_is_schedule_none():
   assert_runs_match(stale_reference((0, 0), 3, "adamw"), run("none", 1, 1, 3, "adamw"))
 
 
-def test_pipedream_with_one_stage_is_synchronous():
+@each_stash
+def test_pipedream_with_one_stage_is_synchronous(stash):
   """With S=1 the only stage is the last one, whose delay is zero."""
-  assert_runs_match(run("pipedream", 1, 1, 2, "adamw"), run("none", 1, 1, 2, "adamw"))
+  assert_runs_match(run("pipedream", 1, 1, 2, "adamw", stash=stash),
+                    run("none", 1, 1, 2, "adamw"))
+
+
+# --- model and optimizer variants --------------------------------------------
+
+
+def _leaf(tree, path):
+  """The leaf of a nested dict at a '/'-separated path."""
+  for key in path.split("/"):
+    tree = tree[key]
+  return np.asarray(tree)
+
+
+TIED = util.config(tie_embeddings=True)
+# (schedule, (S, D, M), stash): a flushed schedule with data 2 for both
+# stashes, and 2bw, whose embedding (batch k) and head (batch k-1) use the
+# one shared matrix at different versions within a tick.
+TIED_CASES = [("1f1b", (2, 2, 3), "inputs"), ("1f1b", (2, 2, 3), "residuals"),
+              ("2bw", (2, 1, 2), "residuals")]
+
+
+@pytest.mark.parametrize("schedule,shape,stash", TIED_CASES,
+                         ids=[f"{c}-{_shape_id(x)}-{st}" for c, x, st in TIED_CASES])
+def test_tied_embeddings_match_one_device(schedule, shape, stash):
+  """With the head tied to the embedding, each stage's vocabulary slice of the one matrix
+  collects both gradients (lookup and logits) and trains as on one device.
+  """
+  s, d, m = shape
+  got = run(schedule, s, d, m, "adamw", stash=stash, cfg=TIED)
+  want = run("none", 1, 1, m, "adamw", delay=int(schedule == "2bw"), cfg=TIED)
+  assert "out" not in got.params["head"]
+  assert_runs_match(got, want)
+
+
+@each_stash
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_matches_one_device(remat, stash):
+  """model.remat decides what a stage's residuals hold, not what it computes.
+
+  Compared with the reference without remat: rematerialisation recomputes
+  the same float32 operations, so the numbers must not change.
+  """
+  got = run("1f1b", 2, 1, 2, "adamw", stash=stash, cfg=util.config(remat=remat))
+  assert_runs_match(got, run("none", 1, 1, 2, "adamw"))
+
+
+# Below every gradient norm of these runs (about 0.8), so the clip binds at every step.
+CLIP = 0.1
+
+
+@each_stash
+def test_clipped_gradients_match_one_device(stash):
+  """optax.clip_by_global_norm sees the pipeline's stage- and vocabulary-sharded
+  gradients as the whole tree: the clipped pipeline trains as the clipped one device.
+
+  The clip binds (every step's gradient norm is above it) and matters (the
+  unclipped reference ends elsewhere, far beyond the tolerance).
+  """
+  got = run("1f1b", 4, 2, 4, "adamw", stash=stash, clip=CLIP)
+  want = run("none", 1, 1, 4, "adamw", clip=CLIP)
+  assert_runs_match(got, want)
+  assert np.all(got.grad_norms > 2 * CLIP) and np.all(want.grad_norms > 2 * CLIP)
+  np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=1e-5)
+  assert _max_diff(want.params, run("none", 1, 1, 4, "adamw").params) > 1e-4
+
+
+ODD_VOCAB = util.config(vocab_size=63)
+# 63 entries over S=2 (two slices of 32, one padding column) and S=4 (four
+# of 16, one padding column), both stashes at S=2; the same reference (M=4).
+ODD_VOCAB_CASES = [("1f1b", (2, 1, 4), "inputs"), ("1f1b", (2, 1, 4), "residuals"),
+                   ("gpipe", (4, 2, 4), "residuals")]
+
+
+@pytest.mark.parametrize("schedule,shape,stash", ODD_VOCAB_CASES,
+                         ids=[f"{c}-{_shape_id(x)}-{st}" for c, x, st in ODD_VOCAB_CASES])
+def test_padded_vocabulary_matches_one_device(schedule, shape, stash):
+  """A vocabulary that S does not divide is padded in the state and nowhere else.
+
+  The pipeline trains as one device on the 63-entry model; `Schedule.params`
+  returns the natural shapes; the state holds 64 entries, and the padding
+  stays exactly zero (its row is never looked up and its logit is masked
+  out, so its gradient is zero).
+  """
+  s, d, m = shape
+  got = run(schedule, s, d, m, "adamw", stash=stash, cfg=ODD_VOCAB)
+  want = run("none", 1, 1, m, "adamw", cfg=ODD_VOCAB)
+  v, dim = ODD_VOCAB.vocab_size, ODD_VOCAB.dim
+  natural = {"embed/embedding": (v, dim), "head/out/kernel": (dim, v)}
+  for path, shape_ in natural.items():
+    assert _leaf(got.params, path).shape == shape_, path
+    assert _leaf(want.params, path).shape == shape_, path
+  assert_runs_match(got, want)
+  embedding = _leaf(got.state_params, "embed/embedding")
+  kernel = _leaf(got.state_params, "head/out/kernel")
+  assert embedding.shape == (64, dim) and kernel.shape == (dim, 64)
+  assert not embedding[v:].any() and not kernel[:, v:].any()
+
+
+# --- bfloat16 ----------------------------------------------------------------
+
+BF16 = util.config(compute_dtype="bfloat16")
+# bfloat16 keeps 8 significant bits: unit roundoff u = 2^-8.
+BF16_U = 2.0 ** -8
+BF16_UPDATE_RTOL = 16 * BF16_U   # = 1/16, see test_bfloat16_matches_one_device
+BF16_LOSS_RTOL = BF16_U / 8      # = 2^-11, likewise
+
+
+def _bf16_errors(got: util.Run, want: util.Run) -> tuple[float, float, float]:
+  """(step-0 loss error, worst loss error, worst leaf update error), each as a
+  multiple of its tolerance: the step-0 loss against LOSS_TOL, every loss
+  against BF16_LOSS_RTOL, and per weight leaf |got - want| / |want - w0| (the
+  2-norm of the difference of the two displacements from the initial weights
+  w0, relative to the reference's) against BF16_UPDATE_RTOL.
+  """
+  first = abs(got.losses[0] - want.losses[0]) / (
+      util.LOSS_TOL["atol"] + util.LOSS_TOL["rtol"] * abs(want.losses[0]))
+  later = np.max(np.abs(got.losses - want.losses) / (BF16_LOSS_RTOL * np.abs(want.losses)))
+  w0 = util.initial_params(BF16)
+  worst = 0.0
+  for g, w, i in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params),
+                     jax.tree.leaves(w0)):
+    moved = np.linalg.norm(np.asarray(w, np.float64) - np.asarray(i, np.float64))
+    assert moved > 0, "a weight leaf the reference never moved"
+    worst = max(worst, np.linalg.norm(np.asarray(g, np.float64) - np.asarray(w, np.float64))
+                / moved / BF16_UPDATE_RTOL)
+  return float(first), float(later), float(worst)
+
+
+# (schedule, (S, D, M), stash, delay of the reference's optimizer).
+BF16_CASES = [("1f1b", (2, 1, 2), "inputs", 0), ("1f1b", (2, 1, 2), "residuals", 0),
+              ("2bw", (2, 1, 2), "inputs", 1)]
+
+
+@pytest.mark.parametrize("schedule,shape,stash,delay", BF16_CASES,
+                         ids=[f"{c}-{_shape_id(x)}-{st}" for c, x, st, _ in BF16_CASES])
+def test_bfloat16_matches_one_device(schedule, shape, stash, delay):
+  """In bfloat16 compute the pipeline trains as one device in bfloat16, to bf16 rounding.
+
+  Plain SGD (lr 0.5), whose update is linear in the gradient, so the
+  rounding of the gradient carries straight into the weights; AdamW would
+  turn a rounding-level sign flip of a near-zero gradient entry into a full
+  step of lr, whatever the tolerance.
+
+  Why these tolerances. bf16 keeps 8 significant bits, u = 2^-8 = 3.9e-3.
+  - The forward is the reference's bf16 program (the embedding psum adds
+    zeros; each logit is the same bf16 dot with float32 accumulation), so
+    the step-0 loss must agree to float32 rounding: LOSS_TOL, as everywhere
+    (measured: bit-equal).
+  - The backward rounds one thing differently: the cotangent of the last
+    block's output. The reference rounds the full-vocabulary product
+    dlogits W^T to bf16 once; the pipeline rounds each of the S stages'
+    slice products before summing them: S roundings where the reference has
+    one, <= S*u relative to first order. Every gradient leaf is linear in that
+    cotangent (the rest of the backward is the same bf16 program), so each
+    step's gradient differs by up to ~S*u = 2u (measured after one step:
+    1.1u to 1.6u on every leaf). Over STEPS = 5 steps those errors add up to
+    STEPS*S*u = 10u if they all point the same way, plus what the weights'
+    discrepancy feeds back into later gradients: each leaf's displacement
+    from the initial weights may differ by 16u = 1/16 of its norm (measured:
+    at most 5.7u).
+  - Later losses follow from weights that differ that way. They are float32
+    means over 32 tokens, so they resolve far finer than bf16 (whose
+    rounding at 4.2 is 0.016); a relative 2^-11 = u/8 (2.0e-3 at 4.2) covers
+    the measured 5.6e-4 at step 4 with a margin of 3.6.
+  test_bfloat16_check_is_discriminating shows that these tolerances still
+  reject a wrong implementation (by factors of 10 and 18), and that
+  float32's would reject this one. They cannot tell bf16 compute from
+  float32 compute, though: two bf16 programs that round in different places
+  are about as far apart as either is from float32 (float32 training is
+  within 0.45 of each tolerance here).
+  """
+  s, d, m = shape
+  got = run(schedule, s, d, m, "sgd", stash=stash, cfg=BF16)
+  want = run("none", 1, 1, m, "sgd", delay=delay, cfg=BF16)
+  first, later, update = _bf16_errors(got, want)
+  assert first <= 1, f"step-0 loss off by {first:.2f} x LOSS_TOL"
+  assert later <= 1, f"a loss off by {later:.2f} x {BF16_LOSS_RTOL:g} relative"
+  assert update <= 1, f"a leaf's update off by {update:.2f} x {BF16_UPDATE_RTOL:g} relative"
+
+
+def test_bfloat16_check_is_discriminating():
+  """The bf16 tolerances reject a wrong implementation; float32's reject a right one.
+
+  - 2bw, whose gradient is one step old, against the undelayed bf16
+    reference: its weights' displacement misses by far more than 1/16, so
+    an error as large as running on a stale weight version cannot hide in
+    the bf16 tolerance.
+  - The correct bf16 1f1b run fails the float32 check (assert_runs_match):
+    the looser tolerance is needed, and bf16 really is what ran.
+  """
+  wrong = run("2bw", 2, 1, 2, "sgd", cfg=BF16)
+  want = run("none", 1, 1, 2, "sgd", cfg=BF16)
+  first, later, update = _bf16_errors(wrong, want)
+  assert first <= 1   # batch 0 runs on the initial weights either way
+  assert update > 4 and later > 1, (later, update)
+
+  right = run("1f1b", 2, 1, 2, "sgd", cfg=BF16)
+  with pytest.raises(AssertionError):
+    assert_runs_match(right, want)
+
+
+# --- what the engine executes ------------------------------------------------
+
+# 1f1b on S=4 stages with data 2 and M=3 microbatches (fewer than S): M+2(S-1) = 9
+# ticks per step, in which each stage has 3 forward and 3 backward cells; two steps.
+COUNT_SHAPE = (4, 2, 3)
+COUNT_STEPS = 2
+
+
+def _counting(stage, log):
+  """`stage` wrapped so that every call reports to `log` from the device.
+
+  Each call appends (kind, stage, data replica, its input x) in program
+  order (an ordered io_callback): kind 'F' for a forward (the primal), 'R'
+  for the forward that jax.vjp re-runs in the backward (the custom_vjp's
+  forward rule: the 'inputs' stash's recomputation) and 'B' for the pullback.
+  """
+  def report(kind, x):
+    record = lambda s, d, x: log.append((kind, int(s), int(d), np.array(x)))
+    io_callback(record, None, lax.axis_index("stage"), lax.axis_index("data"), x, ordered=True)
+
+  @jax.custom_vjp
+  def counted(blocks, x):
+    report("F", x)
+    return stage(blocks, x)
+
+  def forward(blocks, x):
+    report("R", x)
+    return stage(blocks, x), (blocks, x)
+
+  def backward(res, g):
+    blocks, x = res
+    report("B", x)
+    return jax.vjp(stage, blocks, x)[1](g)
+
+  counted.defvjp(forward, backward)
+  return counted
+
+
+def _stage_inputs(params, tokens, num_stages):
+  """[stage][microbatch] the input of each stage on each microbatch, on one device."""
+  mdl = util.model()
+  per = util.CONFIG.n_layers // num_stages
+  out = [[None] * len(tokens) for _ in range(num_stages)]
+  for i, tok in enumerate(tokens):
+    x = mdl.embed(params, tok)
+    for s in range(num_stages):
+      out[s][i] = np.asarray(x)
+      part = jax.tree.map(lambda w: w[s * per:(s + 1) * per], params["blocks"])
+      x, _ = mdl.apply_blocks(part, x)
+  return out
+
+
+@functools.cache
+def _counted_1f1b():
+  """What every stage of a 1f1b step ran, call by call: {(step, stage, data): [(kind, mb)]}.
+
+  mb is the global microbatch (step * M + i) whose stage input the call
+  received, found by comparing with the inputs computed on one device at the
+  step's weights; None for an input of zeros (a slot the plan leaves empty).
+  """
+  s_, d_, m = COUNT_SHAPE
+  log = []
+  fns = util.stage_fns()
+  fns = fns._replace(stage=_counting(fns.stage, log))
+  sch = make_schedule("1f1b", fns, util.optimizer("adamw"), make_mesh(s_, d_), m,
+                      stash="inputs")
+  state = sch.init(jax.tree.map(jnp.asarray, util.initial_params()), (m, util.ROWS, util.SEQ))
+  rows = util.ROWS // d_
+  calls = {}
+  for k, (tok, tgt) in enumerate(util.batches(m)[:COUNT_STEPS]):
+    inputs = _stage_inputs(sch.params(state), tok, s_)
+    log.clear()
+    state, metrics = sch.step(state, jax.device_put(tok, sch.batch_sharding()),
+                              jax.device_put(tgt, sch.batch_sharding()))
+    assert bool(metrics["ran"])
+    jax.effects_barrier()
+    for kind, s, d, x in log:
+      if not x.any():
+        mb = None
+      else:
+        near = [i for i in range(m)
+                if np.allclose(x, inputs[s][i][d * rows:(d + 1) * rows], rtol=0, atol=1e-4)]
+        assert len(near) == 1, f"step {k}: stage {s} ran on an input of no microbatch"
+        mb = k * m + near[0]
+      calls.setdefault((k, s, d), []).append((kind, mb))
+  return calls
+
+
+def _planned(step, stage, idle):
+  """The calls the timetable gives a stage in a step, tick by tick: F of its forward
+  cell, then R and B of its backward cell. With `idle`, a tick in which some
+  stage runs a forward (backward) gives every stage an F (R, B), of None where
+  its own cell is empty: what a lockstep program that masks idle slots runs.
+  """
+  s_, _, m = COUNT_SHAPE
+  plan = step_plan("1f1b", s_, m)
+  table = timetable("1f1b", s_, m, num_steps=COUNT_STEPS)
+  out = []
+  for t in range(plan.num_ticks):
+    cell, kind = table.cells[step * plan.num_ticks + t][stage], plan.kind(t)
+    if cell.fwd is not None or (idle and kind.fwd):
+      out.append(("F", cell.fwd))
+    if cell.bwd is not None or (idle and kind.bwd):
+      out += [("R", cell.bwd), ("B", cell.bwd)]
+  return out
+
+
+def test_1f1b_runs_the_timetable_cells():
+  """Every stage's forwards, recomputations and backwards are the timetable's cells.
+
+  Recorded from inside the step (an io_callback in the stage function, the
+  microbatch recognised by its stage input): on every stage and data
+  replica, the calls that received a microbatch are, in order, exactly the
+  cells the plan gives that stage, tick by tick, with their global
+  microbatch numbers; any other call (an input of zeros) falls on a tick in
+  which that stage's cell is empty.
+  """
+  s_, d_, m = COUNT_SHAPE
+  calls = _counted_1f1b()
+  assert sorted(calls) == [(k, s, d) for k in range(COUNT_STEPS) for s in range(s_)
+                           for d in range(d_)]
+  for (k, s, d), got in calls.items():
+    busy = _planned(k, s, idle=False)
+    assert [c for c in got if c[1] is not None] == busy, (k, s, d)
+    assert got in (busy, _planned(k, s, idle=True)), (k, s, d)
+    assert sorted(mb for kind, mb in busy if kind == "F") == list(range(k * m, (k + 1) * m))
+
+
+def test_1f1b_fill_and_drain_run_no_stage_work():
+  """A 1f1b step runs M forwards, M recomputations and M backwards on each stage.
+
+  That is what the plan asks of every stage (the 'inputs' stash recomputes
+  each forward in its backward): a stage whose cell is empty in a tick in
+  which other stages work (the fill and the drain) should not run its blocks
+  there, on zeros or otherwise.
+  """
+  s_, d_, m = COUNT_SHAPE
+  for (k, s, d), got in _counted_1f1b().items():
+    counts = collections.Counter(kind for kind, _ in got)
+    assert counts == {"F": m, "R": m, "B": m}, (f"step {k}, stage {s}, data {d}: "
+                                                f"{dict(counts)}, calls {got}")
 
 
 # --- the compiled 2bw step ---------------------------------------------------
@@ -212,19 +577,55 @@ def _permute_pairs(line):
   return {tuple(int(x) for x in pair.strip("{}").split(",")) for pair in text.split("},{")}
 
 
-def test_2bw_step_collectives():
-  """The 2bw step talks between stages by ppermute only, weights stay put.
+def _param_shapes(num_stages):
+  """Every shape a gradient (or weight) leaf can have on one device or in whole.
+
+  A block leaf per stage [L/S, *rest], per layer [*rest] and whole [L, *rest];
+  a shared leaf whole and as one stage's vocabulary slice. An in-loop
+  collective with one of these shapes would be a per-tick gradient (or
+  weight) reduction.
+  """
+  params = util.initial_params()
+  blocks, shared = params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
+  per = util.CONFIG.n_layers // num_stages
+  shapes = set()
+  for leaf in jax.tree.leaves(blocks):
+    shapes |= {leaf.shape, leaf.shape[1:], (per,) + leaf.shape[1:]}
+  axes = util.model().vocab_axes
+  for leaf, a in zip(jax.tree.leaves(shared), jax.tree.leaves(axes, is_leaf=lambda a: a is None)):
+    shapes.add(leaf.shape)
+    if a is not None:
+      local = list(leaf.shape)
+      local[a] //= num_stages
+      shapes.add(tuple(local))
+  return shapes
+
+
+def _within_data_columns(groups, num_stages, num_data) -> bool:
+  """Whether every replica group lies in one data column {s*D + d : s} (a 'stage' collective)."""
+  columns = [frozenset(i * num_data + j for i in range(num_stages)) for j in range(num_data)]
+  return all(any(g <= c for c in columns) for g in groups)
+
+
+@each_stash
+def test_2bw_step_collectives(stash):
+  """The 2bw step: weights stay on their stage, ticks talk within one data column.
 
   - each device receives only its stage's L/S blocks of both weight versions
-    (and of the optimizer state), never all L;
+    (and of the optimizer state), never all L, and only its 1/S of the
+    embedding rows and of the output layer's columns;
   - collective-permutes run inside the tick loop and connect stage s to s+1
     (activations) and s+1 to s (cotangents) within each data column;
-  - no all-gather anywhere has a stage-weight shape, and none runs in the loop;
-  - no all-reduce runs in the loop: gradients are summed over `data` (and the
-    replicated parameters' over `stage`) once per step, after the ticks.
+  - the vocabulary-parallel embedding and head need all-reduces (the
+    embedding, the hidden state and their cotangents) and all-gathers (the
+    softmax statistics) in every tick: each of them runs over 'stage' only,
+    within one data column (devices s*D+d for a fixed d), and none has a
+    parameter's shape, so no gradient is reduced over 'data' (or anything
+    else) per tick: gradients are summed once per step, after the ticks;
+  - no all-gather anywhere has a stage-weight shape.
   """
   opt, ef, (s, d, m) = HLO_CASE
-  hlo = _run_2bw(opt, ef, (s, d, m)).hlo
+  hlo = _run_2bw(opt, ef, (s, d, m), stash).hlo
   comps, loop = util.computations(hlo), util.loop_computations(hlo)
   in_loop = {line for name in loop for line in comps[name]}
 
@@ -232,8 +633,11 @@ def test_2bw_step_collectives():
   inputs = set(util.entry_parameter_shapes(hlo))
   for leaf in jax.tree.leaves(util.initial_params()["blocks"]):
     rest = leaf.shape[1:]
-    assert (2, per) + rest in inputs and (per,) + rest in inputs, rest
+    assert (per,) + rest in inputs, rest
     assert not {(2, layers) + rest, (layers,) + rest} & inputs, rest
+  vocab, dim = util.CONFIG.vocab_size, util.CONFIG.dim
+  assert {(vocab // s, dim), (dim, vocab // s)} <= inputs
+  assert not {(vocab, dim), (dim, vocab)} & inputs
 
   permutes = util.collectives(hlo, "collective-permute")
   assert permutes, "the compiled 2bw step has no collective-permute"
@@ -242,12 +646,22 @@ def test_2bw_step_collectives():
   forward = {(i * d + j, (i + 1) * d + j) for i in range(s - 1) for j in range(d)}
   backward = {(b, a) for a, b in forward}
   pairs = [_permute_pairs(line) for line in permutes]
+  # A subset, not equality: with S=2 both directions may share one exchange.
   assert all(p <= forward | backward for p in pairs), pairs
   assert set().union(*pairs) == forward | backward
 
+  param_shapes = _param_shapes(s)
+  for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+    lines = [line for line in util.collectives(hlo, op) if line in in_loop]
+    if op in ("all-reduce", "all-gather"):
+      assert lines, f"no {op} in the tick loop: the vocabulary-parallel head should need one"
+    for line in lines:
+      groups = util.replica_groups(line, s * d)
+      assert _within_data_columns(groups, s, d), (op, groups, line[:200])
+      shapes = set(util.result_shapes(line, op))
+      assert not shapes & param_shapes, (op, shapes & param_shapes, line[:200])
+
   assert _stage_weight_gathers(hlo, s) == []
-  assert not [line for line in util.collectives(hlo, "all-gather") if line in in_loop]
-  assert not [line for line in util.collectives(hlo, "all-reduce") if line in in_loop]
 
 
 def test_stage_weight_gathers_are_detected():
@@ -275,9 +689,10 @@ def test_stage_weight_gathers_are_detected():
 def test_loop_and_collective_parsing_on_a_known_program():
   """The HLO helpers find a psum and a ppermute placed inside a scan.
 
-  A toy shard_map whose scan body all-reduces every iteration: what a
-  per-tick gradient psum would look like in the 2bw step. The helpers must
-  report the all-reduce and the permute as inside the loop.
+  A toy shard_map whose scan body all-reduces over 'data' every iteration:
+  what a per-tick gradient psum would look like in the 2bw step. The helpers
+  must report the all-reduce and the permute as inside the loop, and the
+  all-reduce's replica groups as crossing data columns.
   """
   mesh = make_mesh(4, 2)
 
@@ -297,6 +712,10 @@ def test_loop_and_collective_parsing_on_a_known_program():
     assert lines and all(line in in_loop for line in lines), op
   [permute] = util.collectives(hlo, "collective-permute")
   assert _permute_pairs(permute) == {(0, 2), (2, 4), (4, 6), (1, 3), (3, 5), (5, 7)}
+  [reduce] = util.collectives(hlo, "all-reduce")
+  groups = util.replica_groups(reduce, 8)
+  assert sorted(map(sorted, groups)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  assert not _within_data_columns(groups, 4, 2)
 
 
 # --- errors ------------------------------------------------------------------
@@ -319,6 +738,12 @@ def test_mesh_needs_enough_devices():
   with pytest.raises(ValueError, match=r"9 x 1 = 9 devices"):
     make_mesh(9, 1)
   assert make_mesh(4, 2).shape == {"stage": 4, "data": 2}
+
+
+def test_stash_choice_is_checked():
+  with pytest.raises(ValueError, match=r"stash must be one of \('inputs', 'residuals'\)"):
+    make_schedule("1f1b", util.stage_fns(), util.optimizer("adamw"), make_mesh(2, 1), 2,
+                  stash="activations")
 
 
 def test_schedule_names_and_stage_counts_are_checked():

@@ -37,20 +37,48 @@ def _tool(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedPr
 
 
 def _expected_bubble(schedule: str, s: int, m: int) -> float:
-  """The steady-state bubble of docs/schedules.md, written out."""
+  """The steady-state bubble of docs/schedules.md, written out.
+
+  gpipe, 1f1b and pipedream all take 3(M+S-1) per step (forward 1, backward
+  2, a tick as long as its slowest stage) of which each stage is busy 3M;
+  2bw's steady step has no idle slot.
+  """
   if s == 1 or schedule in ("none", "2bw"):
     return 0.0
+  return (s - 1) / (m + s - 1)
+
+
+def _tick_cost(schedule: str, s: int, m: int, t: int) -> int:
+  """Duration of tick t of a step: 1 forward-only, 2 backward-only, 3 both.
+
+  gpipe: M+S-1 forward-only ticks, then M+S-1 backward-only; 1f1b and
+  pipedream: S-1 forward-only, M with both, S-1 backward-only; 2bw: every
+  tick has both (its first step too: the engine masks the missing batch).
+  """
+  if schedule == "2bw":
+    return 3
   if schedule == "gpipe":
-    return (s - 1) / (m + s - 1)
-  return 2 * (s - 1) / (m + 2 * (s - 1))  # 1f1b, pipedream: lockstep, flushed
+    return 1 if t < m + s - 1 else 2
+  return 1 if t < s - 1 else 2 if t >= m + s - 1 else 3
 
 
 def _idle_share(tt, step: int) -> float:
-  """Idle share of one step, counted cell by cell (a gpipe tick offers one slot)."""
-  rows = tt.cells[step * tt.ticks_per_step:(step + 1) * tt.ticks_per_step]
-  slots = 1 if tt.schedule == "gpipe" else 2
-  busy = sum((c.fwd is not None) + (c.bwd is not None) for row in rows for c in row)
-  return 1.0 - busy / (slots * len(rows) * tt.num_stages)
+  """Idle share of one step's stage time, counted cell by cell (forward 1, backward 2)."""
+  n = tt.ticks_per_step
+  rows = tt.cells[step * n:(step + 1) * n]
+  busy = sum((c.fwd is not None) + 2 * (c.bwd is not None) for row in rows for c in row)
+  duration = sum(_tick_cost(tt.schedule, tt.num_stages, tt.num_microbatches, t) for t in range(n))
+  return 1.0 - busy / (duration * tt.num_stages)
+
+
+def _fill_share(s: int, m: int) -> float:
+  """2bw's first-step idle share: 7(S-1)/(6M).
+
+  Each of the M ticks lasts 3; stage s idles s forwards (1 each) and
+  2(S-1)-s backwards (2 each), 4(S-1)-s in all, so the stages idle
+  7S(S-1)/2 of 3MS.
+  """
+  return 7 * (s - 1) / (6 * m)
 
 
 def _one_line_error(p: subprocess.CompletedProcess) -> None:
@@ -65,7 +93,7 @@ def _one_line_error(p: subprocess.CompletedProcess) -> None:
 
 def _check_viz_output(stdout: str, m: int) -> None:
   """The printed tables are the engine's and the printed bubbles match the formulas and cells."""
-  from jaxpipe.pipeline import bubble_fraction, timetable
+  from jaxpipe.pipeline import facts, timetable
   printed = {name: (float(a), float(b)) for name, a, b in re.findall(
       r"^bubble (\S+): steady ([0-9.]+) \(formula ([0-9.]+)\)$", stdout, re.M)}
   assert set(printed) == {"2bw", "1f1b", "gpipe", "pipedream"}
@@ -74,12 +102,13 @@ def _check_viz_output(stdout: str, m: int) -> None:
     assert tt.ascii() in stdout  # the terminal table is the engine's own
     want = _expected_bubble(name, 2, m)
     assert counted == pytest.approx(want, abs=5e-5)
-    assert formula == pytest.approx(bubble_fraction(name, 2, m), abs=5e-5)
+    assert formula == pytest.approx(want, abs=5e-5)
+    assert formula == pytest.approx(facts(name, 2, m).bubble, abs=5e-5)
     assert counted == pytest.approx(_idle_share(tt, 1), abs=5e-5)
   [fill] = re.findall(r"^fill 2bw: first step ([0-9.]+)$", stdout, re.M)
-  # 2bw's first step: stage s idles s forward and 2(S-1)-s backward slots,
-  # S * 2(S-1) of 2MS slots in all: (S-1)/M.
-  assert float(fill) == pytest.approx(1 / m, abs=5e-5)
+  # S=2: stage 0 idles 2 backwards (4), stage 1 one forward and one
+  # backward (3), of 3M each: 7/(6M).
+  assert float(fill) == pytest.approx(7 / (6 * m), abs=5e-5)
   assert float(fill) == pytest.approx(_idle_share(timetable("2bw", 2, m, 2), 0), abs=5e-5)
 
 
@@ -129,15 +158,22 @@ def test_viz_bad_input_is_one_line_and_status_2(capsys, args):
 
 def test_bench_bubbles_come_from_the_same_timetable():
   bench, viz = _load("bench_pipeline"), _load("schedule_viz")
-  from jaxpipe.pipeline import bubble_fraction, timetable
+  from jaxpipe.pipeline import facts, timetable
   for s, m in [(2, 2), (2, 4), (4, 6), (4, 8), (4, 16)]:
     for name in ("gpipe", "1f1b", "2bw", "pipedream"):
       got = bench.bubble(name, s, m)
-      assert got == viz.steady_bubble(name, s, m)
-      assert got == _idle_share(timetable(name, s, m, 2), 1)
-      assert got == pytest.approx(bubble_fraction(name, s, m), abs=1e-12)
+      assert got == pytest.approx(viz.steady_bubble(name, s, m), abs=1e-12)
+      assert got == pytest.approx(_idle_share(timetable(name, s, m, 2), 1), abs=1e-12)
+      assert got == facts(name, s, m).bubble
       assert got == pytest.approx(_expected_bubble(name, s, m), abs=1e-12)
+      # Step length in forward+backward pairs: M for 2bw, M+S-1 for the rest.
+      assert bench.ticks(name, s, m) == (m if name == "2bw" else m + s - 1)
+    assert bench.bubble("none", s, m) == 0.0
+    assert bench.ticks("none", s, m) == m * s  # the whole model on one device
+    # 2bw's fill, as the visualiser prints it.
+    assert viz.fill_fraction(s, m) == pytest.approx(_fill_share(s, m), abs=1e-12)
   assert bench.bubble("2bw", 4, 4) is None  # refused: M < 2(S-1)
+  assert math.isnan(bench.ticks("2bw", 4, 4))
 
 
 def test_bench_tiny_run_times_every_schedule():
@@ -190,58 +226,99 @@ def _block_params(dim: int, heads: int, kv_heads: int, ffn: int) -> int:
   return attn + 3 * dim * ffn + 2 * dim
 
 
+def _tiny_stage(blocks: int, stages: int) -> int:
+  """Parameters one device holds of configs/tiny.yaml: its blocks, 1/S of the padded vocabulary."""
+  vocab = -(-257 // stages) * stages             # 257 bytes, padded to a multiple of S
+  return blocks * _block_params(32, 4, 2, 96) + vocab // stages * 32 * 2 + 32
+
+
 def test_planner_tiny_matches_hand_computation():
   planner = _load("planner")
   from jaxpipe import config as config_lib
+  from jaxpipe.pipeline import facts
   cfg = config_lib.load(os.path.join(CONFIGS, "tiny.yaml"),
                         ["pipeline.schedule=gpipe", "pipeline.stages=4", "pipeline.microbatches=2"])
   p = planner.plan(cfg)
-  # tiny: width 32, 4 blocks, 4 heads / 2 kv, SwiGLU 96 (8/3 * 32 rounded up
-  # to 32), byte vocabulary 257, untied head; float32.
-  block = _block_params(32, 4, 2, 96)
-  shared = 257 * 32 + 32 * 257 + 32  # embedding, output kernel, final norm
-  stage = 4 // 4 * block + shared     # one block per stage; shared replicated
-  assert p.stage_params == stage
+  # tiny: width 32, 4 blocks, 4 heads / 2 kv, SwiGLU 96, byte vocabulary 257
+  # padded to 260 and split over the stages (65 embedding rows and output
+  # columns per device), untied head, final norm; float32.
+  stage = _tiny_stage(1, 4)
+  assert p.stage_params == stage == 12352 + 65 * 64 + 32
+  assert p.num_params == 4 * _block_params(32, 4, 2, 96) + 257 * 64 + 32
   for name, versions in (("gpipe", 1), ("1f1b", 1), ("pipedream", 4)):
-    assert p.bytes[name]["weights"] == stage * versions * 4, name
-    assert p.bytes[name]["grads"] == stage * 4
-  assert p.bytes["none"]["weights"] == (4 * block + shared) * 4
-  assert p.bytes["2bw"] is None and p.bubble["2bw"] is None  # M=2 < 2(S-1)=6
+    for stash in ("inputs", "residuals"):
+      row = p.bytes[name][stash]
+      assert row["weights"] == stage * versions * 4, (name, stash)
+      assert row["grads"] == stage * 4 and row["update"] == stage * 4
+  # `none`: the whole model on one device, its vocabulary unpadded.
+  assert p.bytes["none"]["inputs"]["weights"] == p.num_params * 4
+  assert p.bytes["2bw"] == {"inputs": None, "residuals": None}  # M=2 < 2(S-1)=6
+  assert p.bubble["2bw"] is None
   assert any("2bw needs pipeline.microbatches >= 2(S-1) = 6" in w for w in p.warnings)
-  # Stage input of one microbatch: 4 rows x 32 tokens x 32 float32.
+  # The flushed ring: the engine's slots (plus a scratch slot for empty
+  # forwards), each a stage input of 4 rows x 32 tokens x 32 float32 and a
+  # 4-byte loss term; gpipe also keeps the head's cotangent per microbatch.
   x = 4 * 32 * 32 * 4
-  assert p.bytes["gpipe"]["stash"] == (2 + 4 - 1 + 1) * x
-  assert p.bytes["1f1b"]["stash"] == (2 * 3 + 1 + 2) * x
-  assert p.bubble["gpipe"] == pytest.approx(3 / 5)
-  assert p.bubble["1f1b"] == pytest.approx(6 / 8)
+  assert p.bytes["gpipe"]["inputs"]["stash"] == (facts("gpipe", 4, 2).stash_slots + 1) * (2 * x + 4)
+  assert p.bytes["1f1b"]["inputs"]["stash"] == (facts("1f1b", 4, 2).stash_slots + 1) * (x + 4)
+  assert p.bytes["1f1b"]["residuals"]["stash"] > p.bytes["1f1b"]["inputs"]["stash"]
+  for name in ("gpipe", "1f1b", "pipedream"):
+    assert p.bubble[name] == pytest.approx(3 / 5)  # (S-1)/(M+S-1)
+  # Work per tick: the vocabulary-parallel head and even blocks make every
+  # stage's tick the same; residuals skip the recomputed forward (3 units of
+  # a block's work instead of 4, the head unchanged).
+  for stash in ("inputs", "residuals"):
+    assert len(p.work[stash]) == 4 and p.balance(stash) == pytest.approx(1.0, abs=1e-9)
+  assert 0.70 < p.work["residuals"][0] / p.work["inputs"][0] < 0.80
+
+
+def test_planner_residuals_of_full_remat_are_the_block_inputs():
+  """remat=full keeps each block's input and nothing else: L/S stage inputs per slot."""
+  planner = _load("planner")
+  from jaxpipe import config as config_lib
+  from jaxpipe.pipeline import facts
+  cfg = config_lib.load(os.path.join(CONFIGS, "tiny.yaml"),
+                        ["pipeline.schedule=1f1b", "pipeline.stages=2", "pipeline.microbatches=4",
+                         "model.remat=full"])
+  p = planner.plan(cfg, work=False)
+  x = 2 * 32 * 32 * 4                         # 2 rows x 32 tokens x 32 float32
+  slots = facts("1f1b", 2, 4).stash_slots + 1
+  assert p.bytes["1f1b"]["inputs"]["stash"] == slots * (x + 4)
+  assert p.bytes["1f1b"]["residuals"]["stash"] == slots * (2 * x + 4)  # 2 blocks per stage
+  assert p.stage_params == _tiny_stage(2, 2)
 
 
 def test_planner_smollm_360m_matches_hand_computation():
   planner = _load("planner")
   from jaxpipe import config as config_lib
-  cfg = config_lib.load(os.path.join(CONFIGS, "smollm-360m.yaml"))
-  p = planner.plan(cfg, device_gib=80)
+  cfg = config_lib.load(os.path.join(CONFIGS, "smollm-360m.yaml"), ["pipeline.stash=inputs"])
+  p = planner.plan(cfg, device_gib=80, work=False)
   # 32 blocks of width 960, 15 / 5 heads, SwiGLU 2560, tied GPT-2 embedding
-  # (50257 x 960), final norm; 4 stages of 8 blocks; float32 master weights.
+  # (50257 rows, padded to 50260 and split in 4), final norm; 4 stages of 8
+  # blocks; float32 master weights.
   block = _block_params(960, 15, 5, 2560)
-  shared = 50257 * 960 + 960
-  assert p.num_params == 32 * block + shared
-  stage = 8 * block + shared
+  assert p.num_params == 32 * block + 50257 * 960 + 960
+  stage = 8 * block + 50260 // 4 * 960 + 960
   assert p.stage_params == stage
-  assert p.bytes["2bw"]["weights"] == stage * 2 * 4
-  assert p.bytes["pipedream"]["weights"] == stage * 4 * 4
-  assert p.bytes["gpipe"]["weights"] == stage * 4
-  assert p.bytes["2bw"]["grads"] == stage * 2 * 4
-  assert p.bytes["2bw"]["ef"] == stage * 4  # error feedback: one parameter-sized buffer
-  # 2bw's ring: 2(S-1)+1 = 7 stage inputs plus 2 in transit, [16, 2048, 960] bf16.
-  assert p.bytes["2bw"]["stash"] == 9 * 16 * 2048 * 960 * 2
+  for stash in ("inputs", "residuals"):
+    assert p.bytes["2bw"][stash]["weights"] == stage * 2 * 4
+    assert p.bytes["pipedream"][stash]["weights"] == stage * 4 * 4
+    assert p.bytes["gpipe"][stash]["weights"] == stage * 4
+    assert p.bytes["2bw"][stash]["grads"] == stage * 4
+    assert p.bytes["2bw"][stash]["ef"] == stage * 4  # error feedback: one parameter-sized buffer
+  # 2bw carries batch k-1's partial gradient (float32) and its stash ring:
+  # 2(S-1)+1 = 7 slots of [16, 2048, 960] bf16 stage inputs and a loss term.
+  x = 16 * 2048 * 960 * 2
+  inflight = p.bytes["2bw"]["inputs"]["inflight"]
+  assert inflight >= stage * 4 + 7 * (x + 4)
+  assert inflight < stage * 4 + 7 * (x + 4) + 4 * x  # + the buffers in transit, the batch
   assert p.bubble["2bw"] == 0.0 and p.bubble["gpipe"] == pytest.approx(3 / 19)
   # A warning for exactly the schedules whose total exceeds the device.
   for name in ("none", "gpipe", "1f1b", "2bw", "pipedream"):
     over = p.total(name) > 80 * 2 ** 30
     assert over == any(w.startswith(name + " ") and "GiB per device" in w
                        for w in p.warnings), name
-  tight = planner.plan(cfg, device_gib=1)
+  tight = planner.plan(cfg, device_gib=1, work=False)
   assert any(w.startswith("2bw (the config's schedule) needs") for w in tight.warnings)
 
 
@@ -249,12 +326,16 @@ def test_planner_cli_prints_the_table_and_warns(tmp_path):
   p = _tool("planner", "--config", os.path.join(CONFIGS, "tiny.yaml"), "pipeline.schedule=1f1b",
             "pipeline.stages=4", "pipeline.microbatches=4")
   assert p.returncode == 0, p.stderr
-  stage = _block_params(32, 4, 2, 96) + 257 * 32 * 2 + 32
+  header = re.search(r"^per device\s+(.*)$", p.stdout, re.M).group(1).split()
+  assert header == ["none", "gpipe/inp", "gpipe/res", "1f1b/inp*", "1f1b/res", "2bw/inp",
+                    "2bw/res", "pipedream/inp", "pipedream/res"]
   weights = re.search(r"^weights \(x versions\)\s+(.*)$", p.stdout, re.M).group(1).split("  ")
   weights = [w.strip() for w in weights if w.strip()]
-  assert weights[1] == f"{stage * 4 / 1024:.3g} KiB"  # gpipe column, one version
-  assert re.search(r"^steady-state bubble\s+0\.0%\s+42\.9%\s+60\.0%\s+n/a\s+60\.0%$",
+  assert weights[1] == weights[2] == f"{_tiny_stage(1, 4) * 4 / 1024:.3g} KiB"  # gpipe, one version
+  assert weights[5] == weights[6] == "-"  # 2bw refuses M=4 at S=4
+  assert re.search(r"^steady-state bubble\s+0\.0%(\s+42\.9%){4}\s+n/a\s+n/a(\s+42\.9%){2}$",
                    p.stdout, re.M), p.stdout
+  assert re.search(r"^  stash residuals s0=.*slowest / mean = 1\.000$", p.stdout, re.M), p.stdout
   assert "warning: 2bw needs pipeline.microbatches >= 2(S-1) = 6" in p.stdout
   assert "warning: gpipe idles 43%" in p.stdout
 

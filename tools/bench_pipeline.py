@@ -75,28 +75,31 @@ def emulate_devices(count: int) -> None:
 
 
 def bubble(schedule: str, num_stages: int, num_microbatches: int) -> Optional[float]:
-  """Steady-state idle share of a schedule, counted from the engine's timetable.
+  """Steady-state idle share of a schedule's stage time, read off the engine's step plan.
 
-  Step 1 of a two-step timetable (2bw's step 0 is the fill); None where the
-  schedule refuses the shape.
+  `jaxpipe.pipeline.facts` counts it from the plan the engine executes (a
+  forward costs 1, a backward 2; 2bw's fill step is not steady state); 0 for
+  `none`, None where the schedule refuses the shape.
   """
-  from jaxpipe.pipeline import min_microbatches, timetable  # pylint: disable=g-import-not-at-top
-  if schedule == "none":
-    return 0.0
+  from jaxpipe.pipeline import facts, min_microbatches  # pylint: disable=g-import-not-at-top
   if num_microbatches < min_microbatches(schedule, num_stages):
     return None
-  return timetable(schedule, num_stages, num_microbatches, 2).idle_fraction(1)
+  return facts(schedule, num_stages, num_microbatches).bubble
 
 
 def ticks(schedule: str, num_stages: int, num_microbatches: int) -> float:
   """Step length in tick-pairs (one forward and one backward per stage).
 
-  gpipe's forward and backward ticks are half a pair each; `none` runs M
-  microbatches of the whole model (S stages' work) on one device.
+  A step's cost under the plan's cost model (forward 1, backward 2) over 3:
+  M for 2bw, M+S-1 for gpipe, 1f1b and pipedream, whose forward-only and
+  backward-only ticks are a third and two thirds of a pair; `none` runs M
+  microbatches of the whole model (S stages' work) on one device: M*S.
+  NaN where the schedule refuses the shape (the tables print it as such).
   """
-  from jaxpipe.pipeline import ticks_per_step  # pylint: disable=g-import-not-at-top
-  n = ticks_per_step(schedule, num_stages, num_microbatches)
-  return n / 2 if schedule == "gpipe" else n
+  from jaxpipe.pipeline import facts, min_microbatches  # pylint: disable=g-import-not-at-top
+  if num_microbatches < min_microbatches(schedule, num_stages):
+    return float("nan")
+  return facts(schedule, num_stages, num_microbatches).step_cost / 3
 
 
 @dataclasses.dataclass(frozen=True)

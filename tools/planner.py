@@ -1,24 +1,31 @@
 #!/usr/bin/env python3
-"""Plans a pipeline run before launch: memory per device and bubble of every schedule.
+"""Plans a pipeline run before launch: memory per device, work per stage, bubbles.
 
   python tools/planner.py --config configs/smollm-360m.yaml
   python tools/planner.py --config configs/smollm-360m.yaml pipeline.microbatches=4 \
       --device-gib 24
+  python tools/planner.py --config configs/tiny.yaml pipeline.schedule=2bw \
+      pipeline.stages=2 --compile
 
-Nothing runs and nothing compiles: every shape comes from `jax.eval_shape` of
-the model's init, the optimizer's init and each schedule's `init` (the same
-pytrees that training and checkpoints hold), placed with the schedule's own
-shardings, so the numbers are the bytes that one device holds. Activations
-that live only inside a step (the stash of the flushed schedules, the
-backward's residuals) come from `jax.eval_shape` of `jax.vjp` of the model's
-stage functions on one microbatch.
+Nothing runs and, without --compile, nothing compiles: every shape comes from
+`jax.eval_shape` of the model's init, the optimizer's init and each schedule's
+`init` (the same pytrees that training and checkpoints hold), placed with the
+schedule's own shardings, so the numbers are the bytes that one device holds.
+What lives only inside a step (gradient sums, the flushed schedules' stash,
+the ticks' working sets) is estimated from shapes of the model's stage
+functions (`jax.eval_shape` of `jax.vjp`); docs/benchmark.md compares the
+estimate with XLA's analysis of the compiled step.
 
 For the config's S stages, D data replicas and M microbatches it prints a
-table with a column per schedule (`none` is the whole model on one device of
-the data axis, for comparison) and a row per kind of memory, the steady-state
-bubble of each schedule from the engine's timetable, and warnings: M too small
-for 2bw (it needs M >= 2(S-1)), a synchronous schedule idling more than
---max-bubble of every step, a total above --device-gib.
+table with a column per schedule and stash choice (`none` is the whole model
+on one device of the data axis, for comparison) and a row per kind of
+memory; the work per tick of every stage (FLOPs of the stage's own tick
+program, for both stash choices) and how far the slowest stage is above the
+mean; the steady-state bubble of each schedule from the engine's plan; and
+warnings: M too small for 2bw (it needs M >= 2(S-1)), a synchronous schedule
+idling more than --max-bubble of every step, a total above --device-gib,
+stages more than 10% apart. --compile also compiles the config's step ahead
+of time on the emulated devices and prints XLA's memory per device.
 
 A bad config exits with status 2 and one line on stderr.
 """
@@ -39,61 +46,31 @@ from jaxpipe import launch  # noqa: E402
 from jaxpipe.errors import ConfigError, InputError  # noqa: E402
 
 SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+STASHES = ("inputs", "residuals")
 
 # Rows of the table, in order: (key, label).
 ROWS = (
     ("weights", "weights (x versions)"),
-    ("grads", "gradient accumulators"),
     ("opt", "optimizer state"),
     ("ef", "error-feedback buffer"),
     ("delay", "delay buffer"),
-    ("stash", "stashed stage inputs"),
-    ("work", "backward residuals"),
-    ("head", "head logits + softmax"),
+    ("inflight", "2bw in flight (stash, partial grads)"),
     ("batch", "token batches"),
+    ("grads", "gradient accumulators (f32)"),
+    ("stash", "stash ring (inside the step)"),
+    ("ticks", "tick working sets"),
+    ("update", "reduced grads + update"),
+    ("copies", "version copies"),
 )
 
 
-def weight_versions(schedule: str, num_stages: int) -> int:
-  """Weight versions a schedule keeps per stage: 2 for 2bw, S for pipedream, else 1."""
-  return {"2bw": 2, "pipedream": num_stages}.get(schedule, 1)
-
-
-def grad_accumulators(schedule: str) -> int:
-  """Parameter-sized gradient sums alive during a step.
-
-  2bw finishes batch k-1's gradient while it starts batch k's, so two; the
-  others sum one step's gradient.
-  """
-  return 2 if schedule == "2bw" else 1
-
-
-def stash_slots(schedule: str, num_stages: int, num_microbatches: int) -> int:
-  """Stage inputs of one microbatch that a device holds for its backwards.
-
-  2bw, 1f1b and pipedream run the same lockstep tick engine: a ring of
-  2(S-1)+1 slots (an input on stage s lives 2(S-1-s) ticks; one ring size
-  serves every stage) plus the activation and the cotangent in transit.
-  gpipe saves each forward tick's input for the rematerialised backward:
-  M+S-1 of them, plus the carry in transit. `none` has no stage boundary:
-  its activations are all in the working set.
-  """
-  s_, m = num_stages, num_microbatches
-  if schedule in ("2bw", "1f1b", "pipedream"):
-    return 2 * (s_ - 1) + 1 + 2
-  if schedule == "gpipe":
-    return m + s_ - 1 + 1
-  return 0
-
-
 def steady_bubble(schedule: str, num_stages: int, num_microbatches: int) -> Optional[float]:
-  """Idle share of a steady-state step, counted from the engine's timetable (None: invalid)."""
-  from jaxpipe.pipeline import min_microbatches, timetable  # pylint: disable=g-import-not-at-top
-  if schedule == "none":
-    return 0.0
-  if num_microbatches < min_microbatches(schedule, num_stages):
+  """Idle share of a steady-state step, from the engine's plan (None: invalid)."""
+  from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
+  try:
+    return facts(schedule, num_stages, num_microbatches).bubble
+  except ValueError:
     return None
-  return timetable(schedule, num_stages, num_microbatches, 2).idle_fraction(1)
 
 
 def resolve_vocab(cfg: config_lib.Config) -> config_lib.Config:
@@ -158,63 +135,90 @@ def _split_opt_state(nbytes: Any) -> dict[str, int]:
   return out
 
 
-def residual_bytes(fn: Callable, weights: Any, make_x: Callable[[int], Any], rows: int,
-                   extra: Callable[[int], tuple] = lambda b: ()) -> int:
-  """Bytes of the residuals `jax.vjp(fn)` saves for a microbatch of `rows` rows.
-
-  `jax.eval_shape` of the vjp gives the residuals as a pytree, weights
-  included (the backward needs them to pull cotangents back). Activations
-  grow with the rows and weights do not, so the difference between two and
-  one row, times `rows`, is the activations alone.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-
-  def total(b: int) -> int:
-    res = jax.eval_shape(lambda w, x, *e: jax.vjp(lambda w, x: fn(w, x, *e), w, x)[1],
-                         weights, make_x(b), *extra(b))
-    return _bytes(res)
-
-  return (total(2) - total(1)) * rows
-
-
 @dataclasses.dataclass
 class Plan:
-  """Per-device memory of every schedule for one config, and its warnings.
+  """Per-device memory and per-stage work of every schedule for one config.
 
   Attributes:
     cfg: the resolved config.
     num_params: parameters of the whole model.
     stage_params: parameters one pipeline device holds per weight version
-      (its L/S blocks plus the replicated embedding, norm and head).
-    bytes: {schedule: {row key: bytes per device}}; None where the schedule
-      refuses the config (2bw with M < 2(S-1)).
+      (its L/S blocks, its 1/S of the (padded) vocabulary rows and columns,
+      the final norm).
+    bytes: {schedule: {stash: {row key: bytes per device}}}; the inner dict
+      is None where the schedule refuses the config (2bw with M < 2(S-1)).
+      `none` has one stash entry, 'inputs' (it has no stages).
+    work: {stash: [FLOPs of one steady-state tick (a forward and a backward
+      of one microbatch) of stage s, s = 0..S-1]}, counted from the stage's
+      own program (`jaxpipe.pipeline._cost`); {} without stages.
     bubble: {schedule: steady-state idle share, or None}.
     warnings: one line each.
   """
   cfg: config_lib.Config
   num_params: int
   stage_params: int
-  bytes: dict[str, Optional[dict[str, int]]]
+  bytes: dict[str, dict[str, Optional[dict[str, int]]]]
+  work: dict[str, list[float]]
   bubble: dict[str, Optional[float]]
   warnings: list[str]
 
-  def total(self, schedule: str) -> Optional[int]:
-    """Bytes per device of a schedule, all rows summed."""
-    row = self.bytes[schedule]
-    return None if row is None else sum(row.values())
+  def total(self, schedule: str, stash: Optional[str] = None) -> Optional[int]:
+    """Bytes per device of a schedule (with the config's stash choice by default).
+
+    The ticks' working sets and the update's temporaries are not alive at
+    the same time: the larger of the two counts.
+    """
+    stash = stash or (self.cfg.pipeline.stash if schedule != "none" else "inputs")
+    row = self.bytes[schedule].get(stash if schedule != "none" else "inputs")
+    if row is None:
+      return None
+    return sum(v for k, v in row.items() if k not in ("ticks", "update")) + max(
+        row["ticks"], row["update"])
+
+  def balance(self, stash: Optional[str] = None) -> Optional[float]:
+    """The slowest stage's work per tick over the mean stage's (1.0 is even)."""
+    work = self.work.get(stash or self.cfg.pipeline.stash)
+    if not work:
+      return None
+    return max(work) / (sum(work) / len(work))
 
 
-def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float = 0.25) -> Plan:
-  """Computes per-device memory and bubbles of every schedule for `cfg` (no compilation).
+def _tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float]:
+  """FLOPs of the busiest tick of every stage's own program (see `Plan.work`)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import _cost  # pylint: disable=g-import-not-at-top
+  busy = [int((plan_obj.fwd[t] >= 0).sum() + (plan_obj.bwd[t] >= 0).sum())
+          for t in range(plan_obj.num_ticks)]
+  tick = int(np.argmax(busy))
+  out = []
+  for s in range(plan_obj.num_stages):
+    fn, args = _cost.stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=tick)
+    out.append(_cost.flops(fn, *args)["total"])
+  if not plan_obj.fwd[tick].min() >= 0 or not plan_obj.bwd[tick].min() >= 0:
+    # gpipe's ticks hold a forward or a backward: add the backward tick's work.
+    t_b = int(np.argmax([int((plan_obj.bwd[t] >= 0).sum()) for t in range(plan_obj.num_ticks)]))
+    for s in range(plan_obj.num_stages):
+      fn, args = _cost.stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash,
+                                  tick=t_b)
+      out[s] += _cost.flops(fn, *args)["total"]
+  return out
+
+
+def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float = 0.25,
+         work: bool = True) -> Plan:
+  """Computes per-device memory, per-stage work and bubbles for `cfg` (no compilation).
 
   The model, optimizer, mesh and schedules are built exactly as
-  `jaxpipe.trainer.build` builds them, without opening the token data.
+  `jaxpipe.trainer.build` builds them, without opening the token data;
+  every shape comes from `jax.eval_shape`. The memory model, and how it
+  compares with XLA's analysis of the compiled step, is in docs/benchmark.md.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import make_mesh, make_schedule, min_microbatches  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh, make_schedule, min_microbatches, step_plan  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import _vocab  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline._engine import residual_shapes  # pylint: disable=g-import-not-at-top
 
   cfg = resolve_vocab(cfg)
   s_, d_, m = cfg.pipeline.stages, cfg.mesh.data, cfg.pipeline.microbatches
@@ -227,68 +231,111 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
   rows = batch_shape[1] // d_  # sequences of one microbatch on one device
   num_params = sum(int(x.size) for x in jax.tree.leaves(params))
-
-  # Activations of one microbatch, from the model's own functions.
   blocks, shared = params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
-  tok = lambda b: jax.ShapeDtypeStruct((b, cfg.data.seq_len), jnp.int32)
-  x_like = lambda b: jax.eval_shape(fns.embed, shared, tok(b))
-  stage_input = _bytes(x_like(rows))
+  vocab_axes = jax.tree.leaves(fns.vocab_axes, is_leaf=lambda a: a is None)
+  tokens = jax.ShapeDtypeStruct((rows, cfg.data.seq_len), jnp.int32)
 
-  def blocks_of(n: int):
-    return jax.tree.map(lambda v: jax.ShapeDtypeStruct((n,) + v.shape[1:], v.dtype), blocks)
+  def stage_shapes(num_stages: int):
+    """Per-device shapes: L/S blocks, the (padded) vocabulary over S."""
+    vocab = _vocab.padded_vocab(cfg.model.vocab_size, num_stages)
+    sh = jax.eval_shape(lambda t: _vocab.pad_vocab(t, fns.vocab_axes, vocab), shared)
+    local = jax.tree.map(
+        lambda x, a: x if a is None else jax.ShapeDtypeStruct(
+            x.shape[:a] + (x.shape[a] // num_stages,) + x.shape[a + 1:], x.dtype),
+        sh, fns.vocab_axes, is_leaf=lambda a: a is None)
+    blk = jax.tree.map(lambda v: jax.ShapeDtypeStruct((v.shape[0] // num_stages,) + v.shape[1:],
+                                                      v.dtype), blocks)
+    return blk, local, sh, vocab
 
-  def stage_fn(model_fns):
-    return lambda w, x: model_fns.apply_blocks(w, x)[0]
+  f32 = lambda tree: sum(int(x.size) * 4 for x in jax.tree.leaves(tree))
 
-  head = residual_bytes(lambda w, x, t: fns.head(w, x, t), shared, x_like, rows,
-                        extra=lambda b: (tok(b),))
-  inner = 0
-  if cfg.model.remat != "none":
-    # With remat the blocks save less (their inputs, or the matmul outputs),
-    # and the backward recomputes one block at a time: add what one block
-    # saves without remat beyond what it saves with it.
-    plain = model_lib.build(dataclasses.replace(cfg.model, remat="none"))
-    inner = max(0, residual_bytes(stage_fn(plain), blocks_of(1), x_like, rows)
-                - residual_bytes(stage_fn(model), blocks_of(1), x_like, rows))
-
-  def working_set(n_layers: int) -> int:
-    return residual_bytes(stage_fn(model), blocks_of(n_layers), x_like, rows) + inner
-
-  out: dict[str, Optional[dict[str, int]]] = {}
+  out: dict[str, dict[str, Optional[dict[str, int]]]] = {}
   bubble: dict[str, Optional[float]] = {}
   warnings: list[str] = []
   stage_params = 0
   for name in SCHEDULES:
     pipelined = name != "none"
     bubble[name] = steady_bubble(name, s_, m)
+    out[name] = {}
+    stashes = STASHES if pipelined else ("inputs",)
     if pipelined and m < min_microbatches(name, s_):
-      out[name] = None
+      out[name] = {st: None for st in stashes}
       continue
-    mesh = make_mesh(s_ if pipelined else 1, d_)
-    sched = make_schedule(name, fns, optimizer, mesh, m)
-    state = jax.eval_shape(lambda p, sched=sched: sched.init(p, batch_shape), params)
-    # The schedule's own placement rules (pytrees as in checkpoints).
-    nbytes = _device_bytes(state, sched.state_shardings(state))
-    key = "versions" if "versions" in state else "params"
-    weights = sum(jax.tree.leaves(nbytes[key]))
-    one_version = weights // weight_versions(name, s_)
+    num = s_ if pipelined else 1
+    blk, local, _, _ = stage_shapes(num)
+    x_like = jax.eval_shape(fns.embed, local, tokens)
+    act = _bytes(x_like)
+    one_version = f32(blk) + f32(local)         # a float32 copy of one version's shard
     if pipelined:
-      stage_params = _bytes(params["blocks"]) // s_ + _bytes(shared)
-      stage_params //= jnp.dtype(model_lib.dtype_of(cfg.model.param_dtype)).itemsize
-    row = {"weights": weights, "grads": grad_accumulators(name) * one_version}
-    row.update(_split_opt_state(nbytes["opt_state"]))
-    if "stash" in state:  # 2bw carries its stash and transit buffers between steps
-      row["stash"] = sum(nbytes[k] for k in ("stash", "fwd_buf", "bwd_buf"))
-    else:
-      row["stash"] = stash_slots(name, s_, m) * stage_input
-    n_layers = cfg.model.n_layers // (s_ if pipelined else 1)
-    row["work"] = working_set(n_layers)
-    # SPMD compiles one program for every stage: the head's buffers are
-    # reserved on each device, though only the last stage fills them.
-    row["head"] = head
-    batch = 2 * _bytes(jax.ShapeDtypeStruct(batch_shape, jnp.int32)) // d_
-    row["batch"] = batch + sum(nbytes.get(k, 0) for k in ("prev_tokens", "prev_targets"))
-    out[name] = row
+      stage_params = sum(int(x.size) for x in jax.tree.leaves((blk, local)))
+    prepared = jax.eval_shape(fns.prepare, blk)
+    recompute = _bytes(residual_shapes(fns.stage, prepared, x_like))
+    # The head's working set: float32 logits of this device's vocabulary
+    # slice, their exponentials and their gradient, and the output layer's
+    # weight gradient (the embedding's is a scatter into its accumulator).
+    vocab_local = max([x.shape[a] for x, a in zip(jax.tree.leaves(local), vocab_axes)
+                       if a is not None] or [cfg.model.vocab_size])
+    head = 3 * rows * cfg.data.seq_len * vocab_local * 4 + max(
+        [int(x.size) * 4 for x, a in zip(jax.tree.leaves(local), vocab_axes) if a is not None]
+        or [0])
+    for stash in stashes:
+      mesh = make_mesh(num, d_)
+      sched = make_schedule(name, fns, optimizer, mesh, m, stash=stash)
+      state = jax.eval_shape(lambda p, sched=sched: sched.init(p, batch_shape), params)
+      nbytes = _device_bytes(state, sched.state_shardings(state))
+      row = {k: 0 for k, _ in ROWS}
+      for field in type(state).KINDS:
+        value = sum(jax.tree.leaves(getattr(nbytes, field)))
+        kind = type(state).KINDS[field]
+        if kind in ("params", "versions"):
+          row["weights"] += value
+        elif kind == "opt":
+          row.update(_split_opt_state(getattr(nbytes, field)))
+        elif kind == "inflight":
+          row["inflight"] += value
+      row["batch"] = 2 * _bytes(jax.ShapeDtypeStruct(batch_shape, jnp.int32)) // d_
+      # Inside the step. Gradients are summed in float32, one accumulator
+      # per batch in flight (2bw carries batch k-1's in its state).
+      row["grads"] = one_version
+      entry = (recompute if stash == "residuals" else act) + 4
+      if pipelined:
+        p = step_plan(name, s_, m)
+        slots = sched.engine.num_slots
+        if name != "2bw":
+          row["stash"] = slots * (entry + (act if p.head_stash else 0))
+        # The step runs a loop per run of ticks of one kind. Measured against
+        # XLA's buffer assignment (docs/benchmark.md): forward-only loops have
+        # a working set of their own; loops with a backward share one when it
+        # reads residuals, and each keep their own when it recomputes.
+        classes: dict[Any, int] = {}
+        for kind, _, _ in p.segments():
+          # The forward's stash entry is written before the backward starts:
+          # a tick's working set is the larger of the two, plus the head's.
+          fwd_ws = entry + 2 * act if kind.fwd else 0
+          bwd_ws = ((entry if stash == "residuals" else recompute + act) + f32(blk) + 2 * act
+                    if kind.bwd else 0)
+          ws = max(fwd_ws, bwd_ws) + (head if kind.head_version is not None else 0)
+          key = kind.bwd if stash == "residuals" or not kind.bwd else (kind.fwd, kind.bwd)
+          classes[key] = max(classes.get(key, 0), ws)
+        row["ticks"] = sum(classes.values())
+        if name == "pipedream":   # the stage's own version and the shared ones, picked
+          row["copies"] = _bytes(blk) + 2 * _bytes(local)
+        if name == "2bw":         # v[k]'s blocks become `prev` as v[k+1] is written
+          row["copies"] = _bytes(blk)
+      else:
+        row["ticks"] = recompute + f32(blk) + head + 2 * act
+      # The optimizer's update of the summed gradient (the new moments and
+      # weights are written over the donated ones).
+      row["update"] = one_version
+      out[name][stash] = row
+
+  work_per_stage: dict[str, list[float]] = {}
+  if work and s_ > 1 and m >= min_microbatches(cfg.pipeline.schedule, s_):
+    name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
+    _, _, sh_padded, _ = stage_shapes(s_)
+    for stash in STASHES:
+      work_per_stage[stash] = _tick_costs(fns, step_plan(name, s_, m), blocks, sh_padded,
+                                          tokens, stash)
 
   # Warnings: what the user should change before launching.
   need = min_microbatches("2bw", s_)
@@ -298,19 +345,23 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   for name in ("gpipe", "1f1b", "pipedream"):
     b = bubble[name]
     if s_ > 1 and b is not None and b > max_bubble:
-      k = {"gpipe": 1, "1f1b": 2, "pipedream": 2}[name]
-      # bubble = k(S-1) / (M + k(S-1)) <= x  <=>  M >= k(S-1)(1-x)/x
-      m_ok = -(-int(round(k * (s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * 1000)))
+      # bubble = (S-1) / (M + S-1) <= x  <=>  M >= (S-1)(1-x)/x
+      m_ok = -(-int(round((s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * 1000)))
       warnings.append(f"{name} idles {b:.0%} of every step at S={s_}, M={m} (above "
                       f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
   limit = device_gib * 2 ** 30
+  result = Plan(cfg, num_params, int(stage_params), out, work_per_stage, bubble, warnings)
   for name in SCHEDULES:
-    total = sum(out[name].values()) if out[name] is not None else None
+    total = result.total(name)
     if total is not None and total > limit:
       mark = " (the config's schedule)" if name == cfg.pipeline.schedule else ""
-      warnings.append(f"{name}{mark} needs {total / 2 ** 30:.1f} GiB per device, more than "
-                      f"--device-gib {device_gib:g}")
-  return Plan(cfg, num_params, int(stage_params), out, bubble, warnings)
+      stash = f", stash {cfg.pipeline.stash}" if name != "none" else ""
+      warnings.append(f"{name}{mark} needs {total / 2 ** 30:.1f} GiB per device{stash}, more "
+                      f"than --device-gib {device_gib:g}")
+  balance = result.balance()
+  if balance is not None and balance > 1.1:
+    warnings.append(f"the slowest stage does {balance:.2f}x the mean stage's work per tick")
+  return result
 
 
 def human(n: Optional[float]) -> str:
@@ -323,8 +374,38 @@ def human(n: Optional[float]) -> str:
   return f"{int(n)} B"
 
 
+def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[str, int]:
+  """XLA's memory analysis of the training step compiled ahead of time (nothing allocated).
+
+  The step is lowered with abstract inputs placed in the schedule's shardings
+  on the emulated devices and compiled; returns per-device bytes:
+  argument, output, alias, temp, and resident = argument + output - alias + temp.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  cfg = resolve_vocab(cfg)
+  _, fns, optimizer = trainer.components(cfg)
+  model, m = trainer.components(cfg)[0], cfg.pipeline.microbatches
+  stages = cfg.pipeline.stages if schedule != "none" else 1
+  sched = make_schedule(schedule, fns, optimizer, make_mesh(stages, cfg.mesh.data), m,
+                        stash=stash)
+  batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  state = jax.eval_shape(lambda p: sched.init(p, batch_shape), params)
+  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                       state, sched.state_shardings(state))
+  batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sched.batch_sharding())
+  stats = sched.lower_step(state, batch, batch).compile().memory_analysis()
+  row = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+         "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
+  row["resident"] = row["argument"] + row["output"] - row["alias"] + row["temp"]
+  return row
+
+
 def format_plan(p: Plan, device_gib: float) -> str:
-  """The planner's report: header, table, bubble row, notes and warnings."""
+  """The planner's report: header, memory table, work per stage, notes and warnings."""
   cfg = p.cfg
   s_, d_, m = cfg.pipeline.stages, cfg.mesh.data, cfg.pipeline.microbatches
   rows_per_mb = cfg.data.batch_size // m // d_
@@ -337,44 +418,49 @@ def format_plan(p: Plan, device_gib: float) -> str:
       + (" + error feedback" if cfg.optimizer.error_feedback else "")
       + (f" + delay {cfg.optimizer.delay}" if cfg.optimizer.delay else ""),
       f"a pipeline device holds {p.stage_params / 1e6:.2f}M parameters per weight version "
-      f"({cfg.model.n_layers // max(s_, 1)} blocks + the replicated embedding/head)",
+      f"({cfg.model.n_layers // max(s_, 1)} blocks, 1/{s_} of the vocabulary rows and columns)",
       "",
   ]
-  names = list(SCHEDULES)
-  head = ["per device"] + [n + ("*" if n == cfg.pipeline.schedule else "") for n in names]
+  cols = [("none", "inputs")] + [(n, st) for n in SCHEDULES[1:] for st in STASHES]
+  mark = lambda n, st: "*" if (n == cfg.pipeline.schedule and
+                                (n == "none" or st == cfg.pipeline.stash)) else ""
+  head = ["per device"] + [("none" if n == "none" else f"{n}/{st[:3]}") + mark(n, st)
+                           for n, st in cols]
   table = [head]
-  vers = ["weight versions"] + [str(weight_versions(n, s_)) if n != "none" else "1"
-                                for n in names]
-  table.append(vers)
   for key, label in ROWS:
-    table.append([label] + [human(p.bytes[n][key]) if p.bytes[n] is not None else "-"
-                            for n in names])
-  table.append(["total"] + [human(p.total(n)) for n in names])
+    table.append([label] + [human(p.bytes[n][st][key]) if p.bytes[n][st] is not None else "-"
+                            for n, st in cols])
+  table.append(["total"] + [human(p.total(n, st)) for n, st in cols])
   table.append(["fits --device-gib " + f"{device_gib:g}"] + [
-      "-" if p.total(n) is None else ("yes" if p.total(n) <= device_gib * 2 ** 30 else "NO")
-      for n in names])
+      "-" if p.total(n, st) is None else ("yes" if p.total(n, st) <= device_gib * 2 ** 30
+                                          else "NO") for n, st in cols])
   table.append(["steady-state bubble"] + [
-      "n/a" if p.bubble[n] is None else f"{p.bubble[n]:.1%}" for n in names])
+      "n/a" if p.bubble[n] is None else f"{p.bubble[n]:.1%}" for n, _ in cols])
   widths = [max(len(r[i]) for r in table) for i in range(len(head))]
   for i, r in enumerate(table):
     lines.append("  ".join(c.ljust(widths[0]) if j == 0 else c.rjust(widths[j])
                            for j, c in enumerate(r)))
     if i == 0:
       lines.append("  ".join("-" * w for w in widths))
+  if p.work:
+    name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
+    lines += ["", f"work per tick (one microbatch's forward and backward), {name}, "
+              "GFLOP per stage:"]
+    for stash, w in p.work.items():
+      lines.append(f"  stash {stash:9s} " + "  ".join(f"s{i}={x / 1e9:.2f}" for i, x in
+                                                    enumerate(w))
+                   + f"   slowest / mean = {p.balance(stash):.3f}")
   lines += [
       "",
-      "* the config's schedule. `none` is the whole model on one device (no stages), "
-      "for comparison.",
-      "weights: per-device shards of the schedule's state (blocks split over stages, "
-      "embedding and head replicated), times the versions kept.",
-      "stashed stage inputs: 2bw/1f1b/pipedream ring of 2(S-1)+1 plus 2 in transit; "
-      "gpipe M+S-1 saved tick inputs plus 1 (remat).",
-      "backward residuals: what one microbatch's backward through the device's blocks "
-      "reads (with model.remat: what its policy saves, plus one block recomputed).",
-      "head: residuals of the loss on one microbatch (float32 logits); one SPMD program "
-      "runs on every stage, so each device reserves them.",
-      "not counted: optimizer-update temporaries, XLA's fusion scratch; the benchmark "
-      "reads those from the compiled step (tools/bench_pipeline.py).",
+      "* the config's schedule and stash choice (ins = pipeline.stash=inputs, res = residuals).",
+      "`none` is the whole model on one device of the data axis, for comparison.",
+      "weights, optimizer, in flight: the schedule's state as placed on one device (the",
+      "checkpointed pytrees). Inside the step: float32 gradient sums; the flushed schedules'",
+      "stash ring (slots x a stage input, or x the stage's vjp residuals); one working set per",
+      "loop of ticks of one kind (a backward's recompute or residual read, its weight",
+      "gradient, the head's float32 logits of the device's vocabulary slice); the reduced",
+      "gradient and the optimizer update; pipedream's and 2bw's version copies.",
+      "`tools/planner.py --compile` compiles the config's step and prints XLA's own numbers.",
   ]
   if p.warnings:
     lines.append("")
@@ -397,6 +483,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="memory of one device in GiB (default 80)")
   parser.add_argument("--max-bubble", type=float, default=0.25,
                       help="warn when a synchronous schedule idles more than this (default 0.25)")
+  parser.add_argument("--compile", action="store_true",
+                      help="also compile the config's step and print XLA's memory per device")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. pipeline.microbatches=8")
   args = parser.parse_args(argv)
   try:
@@ -408,10 +496,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     # The shardings need the mesh's devices: emulate them before JAX starts.
     launch.prepare_devices(cfg)
     result = plan(cfg, device_gib=args.device_gib, max_bubble=args.max_bubble)
+    compiled = None
+    if args.compile:
+      compiled = compiled_memory(result.cfg, cfg.pipeline.schedule, cfg.pipeline.stash)
   except InputError as e:
     print(f"planner: {e}", file=sys.stderr)
     return 2
   print(format_plan(result, args.device_gib))
+  if compiled is not None:
+    est = result.total(cfg.pipeline.schedule)
+    print(f"\nXLA, {cfg.pipeline.schedule} compiled for this mesh: resident "
+          f"{human(compiled['resident'])} per device (arguments {human(compiled['argument'])}, "
+          f"temporaries {human(compiled['temp'])}); the estimate above is "
+          f"{human(est)} ({est / compiled['resident'] - 1:+.0%}).")
   return 0
 
 

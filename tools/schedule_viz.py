@@ -7,19 +7,22 @@
   python tools/schedule_viz.py --schedule all --stages 2 --microbatches 4 --steps 3
 
 Everything comes from `jaxpipe.pipeline.timetable`, the unrolled form of the
-step plan that the engine executes: stages are rows, ticks are columns, each
-tick-engine cell has a forward half (top) and a backward half (bottom)
-labelled with the global microbatch id (F3 / B1), coloured by the weight
-version it runs on; idle slots are white and hatched; thick lines mark step
-boundaries. The terminal gets `Timetable.ascii()` and, under it, the
-steady-state bubble fraction (and, for 2bw, how much of the first step is
-fill).
+step plan that the engine executes: stages are rows, ticks are columns. A
+tick in which some stage runs a forward and some stage a backward has a
+forward half (top) and a backward half (bottom); a forward-only tick (gpipe's
+forward phase, the fill of 1f1b and pipedream) and a backward-only tick (the
+drain) have full-height cells. Cells are labelled with the global microbatch
+id (F3 / B1) and coloured by the weight version they run on; idle slots are
+white and hatched; thick lines mark step boundaries. The terminal gets
+`Timetable.ascii()` and, under it, the steady-state bubble (counted from the
+cells, and as `jaxpipe.pipeline.facts` gives it) and, for 2bw, how much of
+the first step is fill.
 
-Time axis: one column is one tick of the tick engine (1f1b, 2bw, pipedream),
-in which every stage runs a forward and a backward. A gpipe tick runs only a
-forward or only a backward, so gpipe's ticks are drawn half as wide: with
-`all` the panels then share one axis on which a step's length is its cost
-(M, M+S-1 and M+2(S-1) tick-pairs for 2bw, gpipe and 1f1b).
+Time axis: a tick is as wide as it lasts under the cost model of
+`Timetable.tick_costs` (a forward 1, a backward 2, a tick with both 3), and
+one unit of the axis is a "full" tick, with both: one forward and one
+backward per stage. With `all` the panels share that axis, on which a
+step's length is its cost: M for 2bw, M+S-1 for gpipe, 1f1b and pipedream.
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -33,8 +36,7 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxpipe.pipeline import (Timetable, bubble_fraction, min_microbatches,  # noqa: E402
-                              timetable)
+from jaxpipe.pipeline import Timetable, facts, min_microbatches, timetable  # noqa: E402
 
 SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream")
 
@@ -99,61 +101,81 @@ def fill_fraction(num_stages: int, num_microbatches: int) -> float:
 def summary_lines(schedule: str, num_stages: int, num_microbatches: int) -> list[str]:
   """The lines printed under a schedule's ASCII table.
 
-  Format: `bubble <name>: steady <counted> (formula <bubble_fraction>)`, and
+  Format: `bubble <name>: steady <counted> (formula <facts bubble>)`, and
   for 2bw `fill <name>: first step <idle share>`; fractions to 4 decimals so
   that tests can read them back.
   """
   counted = steady_bubble(schedule, num_stages, num_microbatches)
-  formula = bubble_fraction(schedule, num_stages, num_microbatches)
+  formula = facts(schedule, num_stages, num_microbatches).bubble
   lines = [f"bubble {schedule}: steady {counted:.4f} (formula {formula:.4f})"]
   if schedule == "2bw":
     lines.append(f"fill {schedule}: first step {fill_fraction(num_stages, num_microbatches):.4f}")
   return lines
 
 
-def _tick_width(tt: Timetable) -> float:
-  # A gpipe tick holds a forward or a backward, not both: half a tick-pair.
-  return 0.5 if tt.schedule == "gpipe" else 1.0
+# A tick with both a forward and a backward (cost 3) is one unit of the time
+# axis; the other ticks are as wide as they last relative to it.
+_FULL_TICK = 3.0
+
+
+def tick_edges(tt: Timetable) -> list[float]:
+  """x of each tick's left edge, and the right edge of the last one (time units)."""
+  edges = [0.0]
+  for cost in tt.tick_costs:
+    edges.append(edges[-1] + cost / _FULL_TICK)
+  return edges
+
+
+def _tick_halves(tt: Timetable, tick: int) -> tuple[bool, bool]:
+  """(forward half, backward half) drawn for a tick, read off its cost.
+
+  The cost says what the engine runs in the tick: a forward-only tick (1)
+  has no backward half and a backward-only tick (2) no forward half. 2bw's
+  first-step ticks cost 3 even where the previous batch's backwards are
+  missing, since the engine runs the same step with them masked out: their
+  backward halves are drawn, idle.
+  """
+  cost = tt.tick_costs[tick]
+  return cost != 2.0, cost != 1.0
 
 
 def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
-  """Draws one timetable into `ax` (x: ticks, y: stages, stage 0 on top)."""
+  """Draws one timetable into `ax` (x: time, y: stages, stage 0 on top)."""
   from matplotlib.patches import Rectangle  # pylint: disable=g-import-not-at-top
 
-  w = _tick_width(tt)
+  edges = tick_edges(tt)
   s_ = tt.num_stages
-  # Labels shrink with the cell so that F15 / B15 still fit a half-cell.
-  font = 7.0 if w == 1.0 else 6.0
   idle_style = dict(facecolor="white", edgecolor="#b0b0b0", hatch="////", linewidth=0.4)
 
-  def half(x, y, h, mb, version, forward, label):
+  def box(x, y, w, h, mb, version, forward, label):
     if mb is None:
       ax.add_patch(Rectangle((x, y), w, h, **idle_style))
       return
     versions_seen.add(version)
     ax.add_patch(Rectangle((x, y), w, h, facecolor=version_color(version, forward),
                            edgecolor="white", linewidth=0.8))
-    ax.text(x + w / 2, y + h / 2, f"{label}{mb}", ha="center", va="center", fontsize=font,
-            color="black" if forward else "white", fontweight="bold" if not forward else None)
+    # A forward-only tick is a third of a unit wide: its label stands upright.
+    upright = w < 0.5
+    ax.text(x + w / 2, y + h / 2, f"{label}{mb}", ha="center", va="center",
+            fontsize=6.5 if upright or h < 1.0 else 7.0, rotation=90 if upright else 0,
+            color="black" if forward else "white", fontweight=None if forward else "bold")
 
   for t, row in enumerate(tt.cells):
-    x = t * w
+    x, w = edges[t], edges[t + 1] - edges[t]
+    fwd_half, bwd_half = _tick_halves(tt, t)
     for s, c in enumerate(row):
-      y = s
-      if tt.schedule == "gpipe":
-        # A forward tick or a backward tick: one full-height slot.
-        if c.fwd is not None:
-          half(x, y, 1.0, c.fwd, c.fwd_version, True, "F")
-        else:
-          half(x, y, 1.0, c.bwd, c.bwd_version, False, "B")
+      if fwd_half and bwd_half:
+        box(x, s, w, 0.5, c.fwd, c.fwd_version, True, "F")
+        box(x, s + 0.5, w, 0.5, c.bwd, c.bwd_version, False, "B")
+      elif fwd_half:
+        box(x, s, w, 1.0, c.fwd, c.fwd_version, True, "F")
       else:
-        half(x, y, 0.5, c.fwd, c.fwd_version, True, "F")
-        half(x, y + 0.5, 0.5, c.bwd, c.bwd_version, False, "B")
+        box(x, s, w, 1.0, c.bwd, c.bwd_version, False, "B")
   # Stage separators, then step boundaries on top.
   for s in range(s_ + 1):
     ax.axhline(s, color="#404040", linewidth=0.6)
   for k in range(tt.num_steps + 1):
-    x = k * tt.ticks_per_step * w
+    x = edges[k * tt.ticks_per_step]
     ax.axvline(x, color="black", linewidth=2.2)
     if k < tt.num_steps:
       fill = " (fill)" if tt.schedule == "2bw" and k == 0 and s_ > 1 else ""
@@ -166,11 +188,15 @@ def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
 
 
 def _title(tt: Timetable) -> str:
+  """The panel's title: ticks per step and steady-state bubble, from `facts`."""
   s_, m = tt.num_stages, tt.num_microbatches
-  ticks = {"2bw": "M", "1f1b": "M+2(S-1)", "pipedream": "M+2(S-1)",
-           "gpipe": "M+S-1 forward, then M+S-1 backward"}[tt.schedule]
-  text = (f"{tt.schedule}: {tt.ticks_per_step} ticks per step ({ticks}), steady-state bubble "
-          f"{steady_bubble(tt.schedule, s_, m):.1%}")
+  f = facts(tt.schedule, s_, m)
+  ticks = {"2bw": "M, all full",
+           "1f1b": "S-1 forward-only, M full, S-1 backward-only",
+           "pipedream": "S-1 forward-only, M full, S-1 backward-only",
+           "gpipe": "M+S-1 forward-only, then M+S-1 backward-only"}[tt.schedule]
+  text = (f"{tt.schedule}: {f.ticks} ticks per step ({ticks}), a step lasts "
+          f"{f.step_cost / _FULL_TICK:g} units, steady-state bubble {f.bubble:.1%}")
   if tt.schedule == "2bw":
     text += f"; first step fills: {fill_fraction(s_, m):.1%} idle"
   return text
@@ -185,9 +211,11 @@ def draw(schedules: Sequence[str], num_stages: int, num_microbatches: int, num_s
   from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
 
   tables = [timetable(name, num_stages, num_microbatches, num_steps) for name in schedules]
-  span = max(tt.num_ticks * _tick_width(tt) for tt in tables)
-  # About half an inch per tick keeps "F15" legible in a half-cell.
-  width = min(max(6.0, 0.52 * span + 1.6), 40.0)
+  span = max(tick_edges(tt)[-1] for tt in tables)
+  # About half an inch per unit keeps "F15" legible in a half-cell; the
+  # titles (about 0.075 inch a character) must fit as well.
+  longest = max(len(_title(tt)) for tt in tables)
+  width = min(max(6.0, 0.52 * span + 1.6, 0.075 * longest + 1.2), 40.0)
   heights = [0.42 * tt.num_stages + 0.55 for tt in tables]
   fig, axes = plt.subplots(len(tables), 1, figsize=(width, sum(heights) + 1.3), sharex=True,
                            gridspec_kw={"height_ratios": heights}, squeeze=False)
@@ -200,8 +228,8 @@ def draw(schedules: Sequence[str], num_stages: int, num_microbatches: int, num_s
   step = 1 if span <= 40 else 2 if span <= 80 else 5
   ax.set_xticks(range(0, int(span) + 1, step))
   ax.tick_params(axis="x", labelsize=8)
-  ax.set_xlabel("tick (a forward and a backward per stage; gpipe's forward-only and "
-                "backward-only ticks are drawn half as wide)", fontsize=8.5)
+  ax.set_xlabel("time (1 = a full tick: a forward and a backward per stage; a forward-only tick "
+                "is 1/3 as wide, a backward-only tick 2/3)", fontsize=8.5)
   handles = []
   for v in sorted(versions):
     handles.append(Patch(facecolor=version_color(v, True), edgecolor="none",

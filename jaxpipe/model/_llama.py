@@ -7,10 +7,12 @@ a Mixture-of-Experts layer), pre-norm residual blocks. The parameter tree is
    'blocks': {...every leaf stacked: [n_layers, ...]},
    'head':   {'norm': {'scale': [dim]}, 'out': {'kernel': [dim, vocab]}}}
 
-('head/out' is absent with tied embeddings). The model is split into three pure
-functions so that a pipeline can give them to different stages: `embed`
-(stage 0), `apply_blocks` on any slice of the stacked blocks (every stage), and
-`head_loss` (the last stage). The model knows nothing of meshes.
+('head/out' is absent with tied embeddings). The model is split into pure
+functions so that a pipeline can give them to different stages: `embed` (a row
+lookup, so a stage can hold some of the rows), `apply_blocks` on any slice of
+the stacked blocks, and `logits` (the final norm and the output layer, on any
+slice of the vocabulary); `vocab_axes` says which axis of each non-block leaf
+is the vocabulary. The model knows nothing of meshes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from jaxpipe.model import _moe
 
 Params = Any
 
-__all__ = ["Model", "Block", "build", "ffn_dim", "dtype_of", "num_params", "flops_per_token"]
+__all__ = ["Model", "Block", "build", "ffn_dim", "dtype_of", "num_params", "flops_per_token",
+           "cross_entropy"]
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -124,6 +127,21 @@ class Block(nn.Module):
     return x + y, aux
 
 
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean cross-entropy of integer targets; a target outside the vocabulary gives NaN
+  (loss and gradient).
+
+  Bad data must not train silently: a NaN is caught by the trainer's
+  non-finite guard, which names the batch.
+  """
+  bad = (targets < 0) | (targets >= logits.shape[-1])
+  per_token = optax.softmax_cross_entropy_with_integer_labels(
+      logits, jnp.clip(targets, 0, logits.shape[-1] - 1))
+  # A product, not a `where`: the gradient must be NaN too, so the guard sees
+  # which parameters the bad batch reached.
+  return jnp.mean(per_token * jnp.where(bad, jnp.nan, 1.0))
+
+
 class Model(NamedTuple):
   """The model as pure functions of parameter pytrees.
 
@@ -131,20 +149,30 @@ class Model(NamedTuple):
     cfg: the model config (vocab_size resolved).
     init: rng -> params.
     embed: (params, tokens [b, t] int32) -> activations [b, t, dim]. Reads
-      only params['embed'].
+      only params['embed'] and is a row lookup.
     apply_blocks: (blocks, x) -> (x, aux): runs every block of a stacked slice
       of params['blocks'] in order; aux is the sum of their auxiliary losses.
-    head_loss: (params, x, targets) -> mean next-token cross-entropy. Reads
+    logits: (params, x) -> float32 logits [b, t, V'] over the vocabulary
+      entries the output layer in params holds (V' = V unless sliced). Reads
       params['head'] (and params['embed'] when tied).
+    head_loss: (params, x, targets) -> mean next-token cross-entropy.
     loss: (params, tokens, targets) -> cross-entropy plus auxiliary losses of
       the whole model on one device: the reference every pipeline must match.
+    vocab_axes: like the non-block params: the vocabulary axis of each leaf,
+      or None.
+    compute_blocks: blocks -> the blocks with every matrix in the compute
+      dtype (what the blocks cast them to anyway), for a pipeline to cast
+      once per step; norm scales and the router stay as they are.
   """
   cfg: ModelConfig
   init: Callable[[jax.Array], Params]
   embed: Callable[[Params, jax.Array], jax.Array]
   apply_blocks: Callable[[Params, jax.Array], tuple[jax.Array, jax.Array]]
+  logits: Callable[[Params, jax.Array], jax.Array]
   head_loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
   loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
+  vocab_axes: Any
+  compute_blocks: Callable[[Params], Params]
 
 
 def build(cfg: ModelConfig) -> Model:
@@ -185,21 +213,36 @@ def build(cfg: ModelConfig) -> Model:
     (x, aux), _ = jax.lax.scan(body, (x, jnp.zeros_like(x, jnp.float32, shape=())), blocks)
     return x, aux
 
-  def head_loss(params, x, targets):
+  def logits(params, x):
     h = norm.apply({"params": params["head"]["norm"]}, x)
     if cfg.tie_embeddings:
       w = params["embed"]["embedding"].astype(cd).T
     else:
       w = params["head"]["out"]["kernel"].astype(cd)
     # Logits and the softmax in float32: bf16 logits lose the loss's low bits.
-    logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+  def head_loss(params, x, targets):
+    return cross_entropy(logits(params, x), targets)
 
   def loss(params, tokens, targets):
     x, aux = apply_blocks(params["blocks"], embed(params, tokens))
     return head_loss(params, x, targets) + aux
 
-  return Model(cfg, init, embed, apply_blocks, head_loss, loss)
+  vocab_axes = {"embed": {"embedding": 0}, "head": {"norm": {"scale": None}}}
+  if not cfg.tie_embeddings:
+    vocab_axes["head"]["out"] = {"kernel": 1}
+
+  def compute_blocks(blocks):
+    def cast(path, x):
+      names = [getattr(k, "key", None) for k in path]
+      if names[-1] == "kernel" and "router" not in names and x.dtype != cd:
+        return x.astype(cd)
+      return x
+    return jax.tree_util.tree_map_with_path(cast, blocks)
+
+  return Model(cfg, init, embed, apply_blocks, logits, head_loss, loss, vocab_axes,
+               compute_blocks)
 
 
 def num_params(params: Params) -> int:

@@ -1,17 +1,30 @@
 """Pipeline schedules on a ('stage', 'data') device mesh.
 
 This package knows pytrees, stage functions, stacked parameters and meshes; it
-knows nothing of the model or of configs. See `make_schedule` and `timetable`.
+knows nothing of the model or of configs. See `make_schedule`, `step_plan`
+and `facts`. The plans (`_timetable`) are pure Python and NumPy: importing
+them, or this package, does not start JAX; the engine and the schedules load
+on first use.
 """
 
-from jaxpipe.pipeline._engine import StageFns
-from jaxpipe.pipeline._schedules import (SCHEDULE_NAMES, Schedule, make_mesh, make_schedule,
-                                         merge_params, split_params)
-from jaxpipe.pipeline._timetable import (Cell, StepPlan, Timetable, bubble_fraction,
-                                         min_microbatches, step_plan, ticks_per_step, timetable)
+import importlib
 
-__all__ = [
-    "Cell", "SCHEDULE_NAMES", "Schedule", "StageFns", "StepPlan", "Timetable",
-    "bubble_fraction", "make_mesh", "make_schedule", "merge_params", "min_microbatches",
-    "split_params", "step_plan", "ticks_per_step", "timetable",
-]
+from jaxpipe.pipeline._timetable import (PIPELINED, SCHEDULE_NAMES, Cell, Facts, StepPlan,
+                                         TickKind, Timetable, facts, min_microbatches,
+                                         stash_slots, step_plan, timetable)
+
+_LAZY = {
+    "StageFns": "_engine", "Engine": "_engine", "STASH_CHOICES": "_engine",
+    "Schedule": "_schedules", "SyncState": "_schedules", "PipeDreamState": "_schedules",
+    "TwoBWState": "_schedules", "InFlight": "_schedules", "make_mesh": "_schedules",
+    "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",
+}
+
+__all__ = ["Cell", "Facts", "PIPELINED", "SCHEDULE_NAMES", "StepPlan", "TickKind", "Timetable",
+           "facts", "min_microbatches", "stash_slots", "step_plan", "timetable", *_LAZY]
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(importlib.import_module(f"jaxpipe.pipeline.{_LAZY[name]}"), name)
+  raise AttributeError(f"module 'jaxpipe.pipeline' has no attribute {name!r}")

@@ -1,211 +1,567 @@
-"""Per-stage programs that run inside `jax.shard_map` over a ('stage', 'data') mesh.
+"""The per-stage program that runs inside `jax.shard_map` over a ('stage', 'data') mesh.
 
-Two engines:
-- `tick_loop` executes a `StepPlan` tick by tick: each tick a stage runs one
-  forward (sending its output to stage s+1 by `ppermute`) and one backward
-  (a `jax.value_and_grad` of its slice of the model on the stashed input,
-  sending the input cotangent to stage s-1). It serves 1f1b, 2bw and pipedream;
-  they differ only in which weight version a microbatch uses, which
-  microbatches are valid, and which accumulator a gradient goes to.
-- `forward_loss` runs only the forward ticks of GPipe and returns this stage's
-  share of the loss; `jax.grad` of it is GPipe's backward (its transpose runs
-  the ticks in reverse, with `ppermute` transposed into the reverse shift).
+`Engine.run` executes a `StepPlan` tick by tick. Each run of ticks of one
+kind (forward-only, backward-only, both; the same weight version on every
+stage or not) is its own `lax.scan` whose body contains only that kind's
+work, so a tick with no backward anywhere costs a forward and nothing more.
+Within a tick, in this order (each step's inputs depend on the previous one,
+so every stage runs the same phase at the same time):
 
-Everything here sees per-device (local) shapes. Parameters arrive as
-`(blocks, shared)`: `blocks` is this stage's slice of the stacked blocks,
-`shared` every other parameter (embedding, final norm, head), replicated on
-every stage; the embedding runs only on stage 0 and the head and loss only on
-stage S-1 (each under a `lax.cond` on the stage index, so other stages skip
-that work), and the stages' gradient contributions to `shared` are summed over
-the `stage` axis once per step.
+1. embedding: every stage looks up its vocabulary rows for stage 0's
+   forward microbatch; a `psum` over `stage` assembles stage 0's input;
+2. forward: stage s runs its blocks on its input and stashes what its
+   backward needs: with `stash='residuals'` the residuals of `jax.vjp`
+   (the stage's weights left out, they are in the state), with
+   `stash='inputs'` only the stage input, recomputed in the backward;
+3. head: the last stage's output is broadcast (`psum`) and every stage
+   computes the logits of its vocabulary slice and their share of the loss
+   and its gradient (`_vocab.cross_entropy`); the gradient with respect to
+   the hidden state comes back summed over stages;
+4. backward: stage s pulls back the cotangent from stage s+1 (on the last
+   stage, the head's) through its stash and adds the weight gradient into the
+   accumulator the plan names;
+5. embedding gradient: stage 0's input cotangent is broadcast and each stage
+   scatters it into its rows;
+6. `ppermute`s carry the activation to stage s+1 and the cotangent to s-1.
+
+`Engine.evaluate` runs GPipe's forward ticks with the head's loss only.
+
+Parameters arrive per stage: `blocks` is this stage's slice of the stacked
+blocks; `shared` (embedding, final norm, output layer) holds this stage's
+vocabulary slice of every leaf that `StageFns.vocab_axes` marks and a copy of
+the others. Everything here sees per-device (local) shapes. Gradients of the
+vocabulary slices never leave their stage; those of the replicated leaves and
+the blocks are summed over the mesh once per step, by the schedule.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxpipe.pipeline._timetable import StepPlan
+from jaxpipe.pipeline import _vocab
+from jaxpipe.pipeline._timetable import StepPlan, TickKind
 
 Tree = Any
 
-__all__ = ["StageFns", "TickCarry", "tick_loop", "forward_loss", "varying", "fresh"]
+__all__ = ["StageFns", "TickCarry", "Engine", "STASH_CHOICES", "make_varying", "varying_axes",
+           "residual_shapes"]
 
 STAGE, DATA = "stage", "data"
+AXES = (STAGE, DATA)
+STASH_CHOICES = ("inputs", "residuals")
+# Plan arrays with one entry per (tick, stage), fed to the tick loops.
+_ROWS = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot")
+
+
+def _same(blocks: Tree) -> Tree:
+  return blocks
 
 
 class StageFns(NamedTuple):
-  """The model as the pipeline sees it: three pure functions.
+  """The model as the pipeline sees it.
 
   Attributes:
-    embed: (shared, tokens [b, t]) -> activations [b, t, ...] (stage 0).
+    embed: (shared, tokens [b, t]) -> activations [b, t, ...]. Must be a row
+      lookup: row v of every leaf `vocab_axes` marks gives token v (the
+      pipeline hands each stage its rows and local ids).
     stage: (blocks, x) -> (x, aux): applies a stacked slice of blocks; aux is
       a scalar auxiliary loss (0 for dense models) added to the objective.
-    head: (shared, x, targets [b, t]) -> mean loss of the microbatch (stage S-1).
+    logits: (shared, x) -> float32 logits [b, t, V'] over the vocabulary
+      entries `shared` holds (all of them on one device, a slice on a stage).
+    vocab_size: the true vocabulary size.
+    vocab_axes: a tree like `shared` giving, per leaf, its vocabulary axis
+      or None (a leaf every stage keeps whole).
+    prepare: blocks -> the blocks as `stage` computes with them (the
+      compute-dtype copy of the matrices), applied once per step; gradients
+      come back in its dtypes and are accumulated in the parameters'.
   """
   embed: Callable[[Tree, jax.Array], jax.Array]
   stage: Callable[[Tree, jax.Array], tuple[jax.Array, jax.Array]]
-  head: Callable[[Tree, jax.Array, jax.Array], jax.Array]
+  logits: Callable[[Tree, jax.Array], jax.Array]
+  vocab_size: int
+  vocab_axes: Tree
+  prepare: Callable[[Tree], Tree] = _same
+
+  def loss(self, shared: Tree, x: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of `x` over the whole vocabulary (one device, no mesh axis).
+
+    A target outside the vocabulary makes the loss and its gradient NaN.
+    """
+    logits = self.logits(shared, x)
+    cols = jnp.arange(logits.shape[-1])
+    z = jnp.where(cols < self.vocab_size, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    target = jnp.take_along_axis(z, jnp.clip(targets, 0, logits.shape[-1] - 1)[..., None],
+                                 axis=-1)[..., 0]
+    bad = (targets < 0) | (targets >= self.vocab_size)
+    return jnp.mean((lse - target) * jnp.where(bad, jnp.nan, 1.0))
 
 
-def varying(tree: Tree, axes: tuple[str, ...]) -> Tree:
-  """Marks an input that is replicated over `axes` as varying over them.
+def varying_axes(x) -> frozenset:
+  """The mesh axes a value inside `shard_map` varies over (its type, not its data)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def make_varying(tree: Tree) -> Tree:
+  """Types every leaf as varying over both mesh axes.
 
   Differentiating a replicated input inside `shard_map` makes JAX sum its
   cotangent over the replicas at every use (a psum per tick); as a varying
-  value its gradient stays local, and the engine sums it once per step.
+  value its gradient stays local, and the schedule sums it once per step. A
+  fresh scan carry must also be typed as what the loop body produces.
   """
-  if not axes:
-    return tree
-  return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), tree)
+  def one(x):
+    missing = tuple(a for a in AXES if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+  return jax.tree.map(one, tree)
 
 
-def fresh(tree: Tree) -> Tree:
-  """Zeros shaped like `tree`, varying over both mesh axes (a new scan carry)."""
-  return jax.tree.map(lambda x: lax.pcast(jnp.zeros_like(x), (STAGE, DATA), to="varying"), tree)
+class _VjpLayout(NamedTuple):
+  """How to rebuild a stage's `jax.vjp` function from a stash entry.
+
+  Attributes:
+    treedef: the structure of the vjp function (a pytree).
+    layout: per leaf of it: ('w', i) the stage's i-th weight leaf, or
+      ('r', j) the j-th stashed residual.
+  """
+  treedef: Any
+  layout: tuple
 
 
-def _vzeros(shape, dtype) -> jax.Array:
-  # Zeros typed as varying over the mesh, for a cond branch that skips work:
-  # both branches of a cond inside shard_map must agree on what varies.
-  return lax.pcast(jnp.zeros(shape, dtype), (STAGE, DATA), to="varying")
+def _forward_with_vjp(fn, blocks: Tree, x: jax.Array, mark=None):
+  """(y, aux, residuals to stash, layout): a stage's forward and what its backward needs.
+
+  Leaves of the vjp that are the stage's weights themselves are not stashed
+  (the backward takes them from the state). Every other leaf is, typed as
+  varying over the mesh like the ring that holds it.
+  """
+  (y, aux), vjp = jax.vjp(fn, blocks, x)
+  leaves, treedef = jax.tree.flatten(vjp)
+  weights = {id(w): i for i, w in enumerate(jax.tree.leaves(blocks))}
+  layout, kept = [], []
+  for leaf in leaves:
+    if id(leaf) in weights:
+      layout.append(("w", weights[id(leaf)]))
+    else:
+      layout.append(("r", len(kept)))
+      kept.append((mark or make_varying)(leaf))
+  return y, aux, tuple(kept), _VjpLayout(treedef, tuple(layout))
 
 
-def _pick(tree: Tree, index: jax.Array) -> Tree:
-  return jax.tree.map(lambda v: v[index], tree)
+def _rebuild_vjp(spec: _VjpLayout, kept, blocks: Tree):
+  weights = jax.tree.leaves(blocks)
+  leaves = [weights[i] if kind == "w" else kept[i] for kind, i in spec.layout]
+  return jax.tree.unflatten(spec.treedef, leaves)
+
+
+def _vjp_layout(fn, blocks: Tree, x: jax.Array, mark=None) -> tuple[_VjpLayout, tuple]:
+  """The layout and the residuals' shapes, from an abstract trace (no work is emitted)."""
+  box = []
+
+  def trace(blocks, x):
+    _, _, kept, layout = _forward_with_vjp(fn, blocks, x, mark)
+    box.append(layout)
+    return kept
+
+  shapes = jax.eval_shape(trace, blocks, x)
+  return box[0], shapes
+
+
+def _only_if(pred: jax.Array, compute: Callable[[], Any]) -> Any:
+  """compute() when `pred` (this device's), else zeros of its shapes: nothing is computed."""
+  shapes = jax.eval_shape(compute)
+
+  def skip():
+    return make_varying(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+
+  return lax.cond(pred, compute, skip)
+
+
+def residual_shapes(fn, blocks: Tree, x: jax.Array) -> tuple:
+  """Shapes of what `stash='residuals'` keeps per microbatch for a stage `fn` (outside a mesh)."""
+  return _vjp_layout(fn, blocks, x, mark=lambda leaf: leaf)[1]
 
 
 class TickCarry(NamedTuple):
-  """What flows from tick to tick (and, in 2bw, from step to step).
+  """What flows from tick to tick (and, in 2bw, from step to step), per device.
 
   Attributes:
     fwd_buf: [b, t, ...] activation received from stage s-1 last tick.
     bwd_buf: [b, t, ...] cotangent received from stage s+1 last tick.
-    stash: [R, b, t, ...] inputs of in-flight microbatches, by ring slot.
-    acc: (blocks, shared) gradient sums with a leading accumulator axis.
-    loss: [A] loss sums (cross-entropy on the last stage plus this stage's
-      auxiliary losses), one per accumulator.
+    stash: by slot: 'x' [R, b, t, ...] stage inputs or 'res' (residual
+      rings), 'aux' [R] the forward's auxiliary loss, and for gpipe 'dh'
+      [R, b, t, ...] the head's cotangent of the last stage's output.
+    accs: per accumulator, (blocks, shared) gradient sums.
+    losses: [A] loss sums (cross-entropy on the last stage plus this
+      stage's auxiliary losses), one per accumulator.
   """
   fwd_buf: jax.Array
   bwd_buf: jax.Array
-  stash: jax.Array
-  acc: Tree
-  loss: jax.Array
+  stash: dict
+  accs: tuple
+  losses: jax.Array
 
 
-def tick_loop(fns: StageFns, plan: StepPlan, versions: Tree, tokens: jax.Array,
-              targets: jax.Array, carry: TickCarry, *,
-              version_of: Callable[[jax.Array], jax.Array],
-              valid_of: Callable[[jax.Array], jax.Array],
-              acc_of: Callable[[jax.Array], jax.Array],
-              slot_of: Callable[[jax.Array], jax.Array]) -> TickCarry:
-  """Runs every tick of `plan` on this stage and returns the final carry.
-
-  Args:
-    fns: the model's stage functions.
-    plan: the step plan; row t says which window microbatch this stage runs
-      forward and backward at tick t.
-    versions: (blocks, shared) with a leading weight-version axis.
-    tokens, targets: [2M, b, t] window of the previous and current batch.
-    carry: the incoming carry.
-    version_of, valid_of, acc_of, slot_of: map a window index to its weight
-      version, whether it exists, its gradient accumulator, its stash slot.
-  """
-  num_stages = plan.num_stages
-  s = lax.axis_index(STAGE)
-  is_first, is_last = s == 0, s == num_stages - 1
-  to_next = [(i, i + 1) for i in range(num_stages - 1)]
-  to_prev = [(i + 1, i) for i in range(num_stages - 1)]
-
-  def tick(c: TickCarry, row):
-    f_row, b_row = row
-    fi, bi = f_row[s], b_row[s]
-    f_ok, b_ok = valid_of(fi), valid_of(bi)
-    fi, bi = jnp.maximum(fi, 0), jnp.maximum(bi, 0)
-
-    # Forward: stage 0 embeds its microbatch, the others take what arrived.
-    # The last stage skips it: its backward below recomputes the same forward.
-    blocks_f, shared_f = _pick(versions, version_of(fi))
-    x_in = lax.cond(is_first, lambda: fns.embed(shared_f, tokens[fi]).astype(c.fwd_buf.dtype),
-                    lambda: c.fwd_buf)
-    x_in = jnp.where(f_ok, x_in, jnp.zeros_like(x_in))
-    y = lax.cond(is_last, lambda: _vzeros(x_in.shape, x_in.dtype),
-                 lambda: fns.stage(blocks_f, x_in)[0].astype(x_in.dtype))
-    slot = slot_of(fi)
-    stash = c.stash.at[slot].set(jnp.where(f_ok, x_in, c.stash[slot]))
-
-    # Backward: recompute the stage on the stashed input with the version the
-    # forward used, then pull back the cotangent that stage s+1 sent (or, on
-    # the last stage, the loss). Gradient of <y, g_out> + loss gives exactly
-    # the vector-Jacobian product plus the loss gradient in one pass.
-    blocks_b, shared_b = _pick(versions, version_of(bi))
-    x_b, tok_b, tgt_b, g_out = stash[slot_of(bi)], tokens[bi], targets[bi], c.bwd_buf
-
-    def objective(wb, ws, x):
-      x = lax.cond(is_first, lambda: fns.embed(ws, tok_b).astype(x.dtype), lambda: x)
-      y, aux = fns.stage(wb, x)
-      head = lax.cond(is_last, lambda: fns.head(ws, y, tgt_b).astype(jnp.float32),
-                      lambda: _vzeros((), jnp.float32))
-      loss = head + aux.astype(jnp.float32)
-      pull = jnp.sum(y.astype(jnp.float32) * g_out.astype(jnp.float32))
-      return loss + pull, loss
-
-    (_, loss_b), (g_blocks, g_shared, g_x) = jax.value_and_grad(
-        objective, argnums=(0, 1, 2), has_aux=True)(blocks_b, shared_b, x_b)
-    a = acc_of(bi)
-    # Masks are `where`s, not products: 0 * NaN would poison the sums.
-    acc = jax.tree.map(lambda acc, g: acc.at[a].add(jnp.where(b_ok, g, jnp.zeros_like(g))),
-                       c.acc, (g_blocks, g_shared))
-    loss = c.loss.at[a].add(jnp.where(b_ok, loss_b, 0.0))
-    g_x = jnp.where(b_ok, g_x, jnp.zeros_like(g_x)).astype(c.bwd_buf.dtype)
-
-    fwd_buf = lax.ppermute(jnp.where(f_ok, y, jnp.zeros_like(y)), STAGE, to_next)
-    bwd_buf = lax.ppermute(g_x, STAGE, to_prev)
-    return TickCarry(fwd_buf, bwd_buf, stash, acc, loss), None
-
-  rows = (jnp.asarray(plan.fwd), jnp.asarray(plan.bwd))
-  carry, _ = lax.scan(tick, carry, rows)
-  return carry
+class _Ctx(NamedTuple):
+  """What every tick of one step reads (traced values and the stage's position)."""
+  stage: jax.Array
+  is_first: jax.Array
+  is_last: jax.Array
+  offset: jax.Array
+  blocks: tuple
+  shared: tuple
+  tokens: jax.Array
+  targets: jax.Array
+  has_history: jax.Array
+  slot_base: jax.Array
+  layout: Optional[_VjpLayout]
 
 
-def forward_loss(fns: StageFns, plan: StepPlan, blocks: Tree, shared: Tree, tokens: jax.Array,
-                 targets: jax.Array, x_like: jax.Array, *, remat: bool = True) -> jax.Array:
-  """GPipe's forward ticks on this stage; returns the stage's summed loss.
+class Engine:
+  """Runs a `StepPlan` on one stage (inside `shard_map`); see the module docstring."""
 
-  The sum over microbatches of the last stage's cross-entropy plus this
-  stage's auxiliary losses; summing it over `stage` gives the batch's total.
-  With `remat`, only each tick's stage input is saved for the backward, and
-  the stage is recomputed there (GPipe's rematerialisation).
+  def __init__(self, fns: StageFns, plan: StepPlan, *, stash: str = "inputs",
+               solo_stage: Optional[int] = None):
+    """Args:
+      fns, plan: the model's stage functions and the plan to execute.
+      stash: 'inputs' or 'residuals' (see the module docstring).
+      solo_stage: run stage `solo_stage`'s program alone, on a mesh whose
+        'stage' axis has one device (the planner's cost of one stage's tick:
+        the stage's position is a constant, sends are dropped).
+    """
+    if stash not in STASH_CHOICES:
+      raise ValueError(f"stash must be one of {STASH_CHOICES}, got {stash!r}")
+    last = plan.num_stages - 1
+    if not plan.head_stash and not np.all((plan.bwd[:, last] < 0) | (plan.fwd[:, last] >= 0)):
+      raise ValueError(f"{plan.schedule}: the last stage's backwards must share a tick with "
+                       "its forwards, or the plan must stash the head's cotangent")
+    self.fns, self.plan, self.stash_mode = fns, plan, stash
+    self.solo_stage = solo_stage
+    self.num_stages = plan.num_stages
+    # Forwards the plan leaves empty write into a scratch slot past the ring.
+    self.trash = plan.slots
+    self.num_slots = plan.slots + int((plan.fwd < 0).any())
 
-  Args:
-    plan: a gpipe plan; only its forward ticks are run.
-    tokens, targets: [M, b, t] this batch's microbatches (window index - M).
-    x_like: a zero activation [b, t, ...] (shape and dtype of the stream).
-  """
-  num_stages, m = plan.num_stages, plan.num_microbatches
-  s = lax.axis_index(STAGE)
-  is_first, is_last = s == 0, s == num_stages - 1
-  to_next = [(i, i + 1) for i in range(num_stages - 1)]
-  stage_fn = jax.checkpoint(fns.stage) if remat else fns.stage
-  n_fwd = m + num_stages - 1
+  # --- the carry ---------------------------------------------------------------
 
-  def tick(c, f_row):
-    buf, total = c
-    f = f_row[s] - m
-    ok = f >= 0
-    f = jnp.maximum(f, 0)
-    x = lax.cond(is_first, lambda: fns.embed(shared, tokens[f]).astype(buf.dtype), lambda: buf)
-    x = jnp.where(ok, x, jnp.zeros_like(x))
-    y, aux = stage_fn(blocks, x)
-    head = lax.cond(is_last, lambda: fns.head(shared, y, targets[f]).astype(jnp.float32),
-                    lambda: _vzeros((), jnp.float32))
-    total = total + jnp.where(ok, head + aux.astype(jnp.float32), 0.0)
-    buf = lax.ppermute(y.astype(buf.dtype), STAGE, to_next)
-    return (buf, total), None
+  def stash_entry(self, blocks: Tree, x: jax.Array) -> dict:
+    """One slot's stash for a stage input `x` (zeros; shapes only matter)."""
+    aux = jnp.zeros((), jnp.float32)
+    if self.stash_mode == "residuals":
+      _, kept = _vjp_layout(self.fns.stage, blocks, x)
+      entry = {"res": tuple(jnp.zeros(r.shape, r.dtype) for r in kept), "aux": aux}
+    else:
+      entry = {"x": jnp.zeros_like(x), "aux": aux}
+    if self.plan.head_stash:
+      entry["dh"] = jnp.zeros_like(x)
+    return entry
 
-  init = (x_like, _vzeros((), jnp.float32))
-  (_, total), _ = lax.scan(tick, init, jnp.asarray(plan.fwd[:n_fwd]))
-  return total
+  def empty_carry(self, blocks: Tree, shared: Tree, x_like: jax.ShapeDtypeStruct) -> TickCarry:
+    """A carry with nothing in flight, typed as varying, for this stage's shapes."""
+    x = make_varying(jnp.zeros(x_like.shape, x_like.dtype))
+    entry = self.stash_entry(make_varying(self.fns.prepare(blocks)), x)
+    stash = jax.tree.map(lambda v: jnp.zeros((self.num_slots,) + v.shape, v.dtype), entry)
+    # Gradients are summed in float32, whatever the weights' dtype.
+    f32 = lambda v: jnp.zeros(v.shape, jnp.float32 if jnp.issubdtype(v.dtype, jnp.floating)
+                              else v.dtype)
+    acc = (jax.tree.map(f32, blocks), jax.tree.map(f32, shared))
+    return make_varying(TickCarry(x, x, stash, (acc,) * self.plan.num_accumulators,
+                                  jnp.zeros((self.plan.num_accumulators,), jnp.float32)))
+
+  # --- one step ----------------------------------------------------------------
+
+  def run(self, blocks_versions: tuple, shared_versions: tuple, tokens: jax.Array,
+          targets: jax.Array, carry: TickCarry, *, has_history=True, slot_base=0) -> TickCarry:
+    """Runs every tick of the plan on this stage; returns the final carry.
+
+    Args:
+      blocks_versions: the stage's block weights, one tree per plan version.
+      shared_versions: the stage's shared parameters, one tree per version.
+      tokens, targets: [window, b, t] the microbatches the plan's window
+        indices name.
+      carry: the incoming carry (`empty_carry` for a flushed step).
+      has_history: whether window indices below `plan.history` exist (False
+        in 2bw's first step).
+      slot_base: the stash slot of this step's first microbatch.
+    """
+    s = self._stage_index()
+    local_vocab = self._local_vocab(shared_versions[0])
+    blocks = tuple(make_varying(self.fns.prepare(b)) for b in blocks_versions)
+    layout = None
+    if self.stash_mode == "residuals":
+      layout, _ = _vjp_layout(self.fns.stage, blocks[0], carry.fwd_buf)
+    ctx = _Ctx(stage=s, is_first=s == 0, is_last=s == self.num_stages - 1,
+               offset=s * local_vocab, blocks=blocks,
+               shared=tuple(make_varying(v) for v in shared_versions),
+               tokens=tokens, targets=targets, has_history=jnp.asarray(has_history),
+               slot_base=jnp.asarray(slot_base), layout=layout)
+    plan = self.plan
+    for kind, t0, t1 in plan.segments():
+      # One loop per run of ticks of one kind, each body holding only that
+      # kind's work. (A single loop switching on the kind would keep one
+      # working set instead of one per loop, but XLA's CPU runtime then
+      # serialises the stages: a conditional holding collectives blocks.)
+      xs = {k: jnp.asarray(getattr(plan, k)[t0:t1]) for k in _ROWS}
+      # Where every stage has work in every tick of the run (2bw's steady
+      # state), no cond guards it: a cond costs the CPU runtime some overlap.
+      gaps = (bool((plan.fwd[t0:t1] < 0).any()), bool((plan.bwd[t0:t1] < 0).any()))
+
+      def body(c, row, kind=kind, gaps=gaps):
+        return self._tick(kind, ctx, c, row, gaps), None
+
+      carry, _ = lax.scan(body, carry, xs)
+    return carry
+
+  def _tick(self, kind: TickKind, ctx: _Ctx, c: TickCarry, row: dict,
+            gaps: tuple[bool, bool] = (True, True)) -> TickCarry:
+    """One tick of one kind on this stage: its work, the stash write, the sends.
+
+    `gaps`: whether some forward (backward) slot of these ticks is empty; its
+    work is then guarded by a cond, so that an empty slot computes nothing.
+    """
+    stash, send_f, send_b, accs, losses = self._work(kind, ctx, c, row, gaps)
+    fwd_buf, bwd_buf = c.fwd_buf, c.bwd_buf
+    if self.solo_stage is not None:
+      fwd_buf, bwd_buf = send_f, send_b
+    elif self.num_stages == 2 and kind.fwd and kind.bwd:
+      # Two stages: stage 0 sends its output up while stage 1 sends its input
+      # cotangent down, one exchange. Each keeps the half it reads (stage 1
+      # its forward input, stage 0 its backward cotangent); the other half is
+      # never read (the first stage embeds, the last takes the head's).
+      got = lax.ppermute(jnp.where(ctx.is_first, send_f, send_b), STAGE, [(0, 1), (1, 0)])
+      fwd_buf = bwd_buf = got
+    else:
+      to_next, to_prev = self._sends()
+      if kind.fwd:
+        fwd_buf = lax.ppermute(send_f, STAGE, to_next)
+      if kind.bwd:
+        bwd_buf = lax.ppermute(send_b, STAGE, to_prev)
+    return TickCarry(fwd_buf, bwd_buf, stash, accs, losses)
+
+  def _stage_index(self) -> jax.Array:
+    if self.solo_stage is not None:
+      return jnp.int32(self.solo_stage)
+    return lax.axis_index(STAGE)
+
+  def _sends(self) -> tuple[list, list]:
+    """ppermute pairs to the next and the previous stage (none for a solo stage)."""
+    if self.solo_stage is not None:
+      return [], []
+    n = self.num_stages
+    return [(i, i + 1) for i in range(n - 1)], [(i + 1, i) for i in range(n - 1)]
+
+  def _valid(self, ctx: _Ctx, i: jax.Array) -> jax.Array:
+    return (i >= 0) & ((i >= self.plan.history) | ctx.has_history)
+
+  def _slot(self, ctx: _Ctx, mb: jax.Array, offset: jax.Array) -> jax.Array:
+    return jnp.where(mb >= 0, (ctx.slot_base + offset) % self.plan.slots, self.trash)
+
+  def _local_vocab(self, shared: Tree) -> int:
+    axes = jax.tree.leaves(self.fns.vocab_axes, is_leaf=lambda a: a is None)
+    for leaf, a in zip(jax.tree.leaves(shared), axes):
+      if a is not None:
+        return leaf.shape[a]
+    return self.fns.vocab_size
+
+  def _embed(self, ctx: _Ctx, shared: Tree, tokens: jax.Array) -> jax.Array:
+    part = _vocab.masked_lookup(self.fns.embed, shared, tokens, ctx.offset,
+                                self._local_vocab(shared))
+    return lax.psum(part, STAGE)
+
+  def _head(self, ctx: _Ctx, shared: Tree, h: jax.Array, targets: jax.Array):
+    """(loss, shared gradient slice, gradient of h summed over stages) of one microbatch."""
+    def objective(sh, h):
+      return _vocab.cross_entropy(self.fns.logits(sh, h), targets, ctx.offset,
+                                  self.fns.vocab_size, STAGE)
+
+    loss, pull = jax.vjp(objective, shared, h)
+    g_shared, g_h = pull(jnp.ones_like(loss))
+    return loss, g_shared, g_h
+
+  def _work(self, kind: TickKind, ctx: _Ctx, c: TickCarry, row: dict,
+            gaps: tuple[bool, bool]):
+    """One kind of tick's work on this stage, but for the sends.
+
+    Returns (the stash with this tick's forward written into it; what goes to
+    stage s+1; what goes to stage s-1; the accumulators; the losses).
+    """
+    fns, plan = self.fns, self.plan
+    s = ctx.stage
+    zeros = lambda x: jnp.zeros_like(x)
+    accs, losses, stash = list(c.accs), c.losses, c.stash
+    g_head = None
+    send_f, send_b = zeros(c.fwd_buf), zeros(c.bwd_buf)
+
+    if kind.fwd:
+      f = row["fwd"][s]
+      f_ok = self._valid(ctx, f)
+      x_in = c.fwd_buf
+      if kind.embed_version is not None:
+        f0 = row["fwd"][0]
+        x0 = self._embed(ctx, ctx.shared[kind.embed_version], ctx.tokens[jnp.maximum(f0, 0)])
+        x_in = jnp.where(ctx.is_first, x0.astype(x_in.dtype), x_in)
+      x_in = jnp.where(f_ok, x_in, zeros(x_in))
+
+      def forward(blocks):
+        if self.stash_mode == "residuals":
+          y, aux, kept, layout = _forward_with_vjp(fns.stage, blocks, x_in)
+          assert layout.layout == ctx.layout.layout, "the stage traced differently"
+          return y.astype(x_in.dtype), aux, {"res": kept}
+        y, aux = fns.stage(blocks, x_in)
+        return y.astype(x_in.dtype), aux, {"x": x_in}
+
+      # An empty slot computes nothing: the stage's work is under a cond on
+      # this stage's own validity (other stages may be busy this tick).
+      compute = lambda: self._with_version(ctx.blocks, kind.fwd_version,
+                                           row["fwd_version"][s], forward)
+      y, aux, entry = _only_if(f_ok, compute) if gaps[0] else compute()
+      entry = {**entry, "aux": aux}
+      if kind.head_version is not None:
+        last = row["fwd"][self.num_stages - 1]
+        last_ok = self._valid(ctx, last)
+        # psum of the last stage's output (zeros elsewhere): a broadcast that
+        # also makes every stage's head wait for every stage's forward.
+        h = lax.psum(jnp.where(ctx.is_last, y, zeros(y)), STAGE)
+        loss_h, g_sh, g_head = self._head(ctx, ctx.shared[kind.head_version], h,
+                                          ctx.targets[jnp.maximum(last, 0)])
+        a = kind.head_acc
+        accs[a] = (accs[a][0], jax.tree.map(
+            lambda acc, g: acc + jnp.where(last_ok, g, zeros(g)).astype(acc.dtype),
+            accs[a][1], g_sh))
+        losses = losses.at[a].add(jnp.where(last_ok & ctx.is_last, loss_h, 0.0))
+        if plan.head_stash:
+          entry["dh"] = make_varying(g_head).astype(x_in.dtype)
+      if plan.head_stash and "dh" not in entry:
+        entry["dh"] = zeros(x_in)
+      # Written before the backward reads: on the last stage the backward is
+      # this very microbatch. Outside any cond: XLA copies a buffer that a
+      # conditional reads and the loop body then writes.
+      slot_f = self._slot(ctx, f, row["fwd_slot"][s])
+      stash = jax.tree.map(
+          lambda r, v: lax.dynamic_update_index_in_dim(r, v.astype(r.dtype), slot_f, 0),
+          stash, entry)
+      send_f = jnp.where(f_ok, y, zeros(y)).astype(c.fwd_buf.dtype)
+
+    if kind.bwd:
+      b = row["bwd"][s]
+      b_ok = self._valid(ctx, b)
+      slot = self._slot(ctx, b, row["bwd_slot"][s])
+      if plan.head_stash:
+        top = None
+      else:  # the head ran this tick, or the last stage has no backward in it
+        top = zeros(c.bwd_buf) if g_head is None else g_head.astype(c.bwd_buf.dtype)
+      # Accumulators this tick's backwards may add into (the plan's, or all).
+      targets = [a for a in range(plan.num_accumulators)
+                 if kind.bwd_version is None or kind.bwd_version == a]
+      block_accs = tuple(accs[a][0] for a in targets)
+
+      def backward_and_add(valid=True):
+        entry = jax.tree.map(
+            lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False), stash)
+        g_top = (entry["dh"] if top is None else top).astype(c.bwd_buf.dtype)
+        g_y = jnp.where(ctx.is_last, g_top, c.bwd_buf)
+        g_aux = make_varying(jnp.ones((), entry["aux"].dtype))
+
+        def backward(blocks):
+          if self.stash_mode == "residuals":
+            pull = _rebuild_vjp(ctx.layout, entry["res"], blocks)
+          else:
+            _, pull = jax.vjp(fns.stage, blocks, entry["x"])
+          return pull((g_y, g_aux))
+
+        g_blocks, g_x = self._with_version(ctx.blocks, kind.bwd_version,
+                                           row["bwd_version"][s], backward)
+        new = []
+        for a, acc in zip(targets, block_accs):
+          mine = valid if kind.bwd_version is not None else valid & (row["acc"][s] == a)
+          new.append(jax.tree.map(
+              lambda t, g: t + jnp.where(mine, g, zeros(g)).astype(t.dtype), acc, g_blocks))
+        g_x = jnp.where(valid, g_x, zeros(g_x))
+        return tuple(new), g_x.astype(c.bwd_buf.dtype), entry["aux"]
+
+      # As for the forward: an empty slot runs no backward and adds nothing
+      # (the accumulators are updated inside the branch, in place).
+      if gaps[1]:
+        block_accs, g_x, aux_b = lax.cond(
+            b_ok, backward_and_add,
+            lambda: (block_accs, zeros(c.bwd_buf), make_varying(jnp.zeros((), jnp.float32))))
+      else:  # every slot is filled, but for the previous batch's in 2bw's first step
+        block_accs, g_x, aux_b = backward_and_add(b_ok)
+      for a, acc in zip(targets, block_accs):
+        accs[a] = (acc, accs[a][1])
+        mine = b_ok if kind.bwd_version is not None else b_ok & (row["acc"][s] == a)
+        losses = losses.at[a].add(jnp.where(mine, aux_b, 0.0))
+      if kind.embed_acc is not None:
+        b0 = row["bwd"][0]
+        g0 = lax.psum(jnp.where(ctx.is_first & b_ok, g_x, zeros(g_x)), STAGE)
+        sh = ctx.shared[kind.embed_grad_version]
+        rows = self._local_vocab(sh)
+        tok = ctx.tokens[jnp.maximum(b0, 0)]
+        _, pull_e = jax.vjp(lambda t: _vocab.masked_lookup(fns.embed, t, tok, ctx.offset, rows), sh)
+        (g_e,) = pull_e(make_varying(g0).astype(g_x.dtype))
+        a = kind.embed_acc
+        # No mask here: g0 is zero for an empty slot, and `acc + scatter(0)`
+        # is what XLA turns into a scatter-add into the accumulator.
+        accs[a] = (accs[a][0], jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype),
+                                            accs[a][1], g_e))
+      send_b = g_x
+    return stash, send_f, send_b, tuple(accs), losses
+
+  @staticmethod
+  def _with_version(versions: tuple, static: Optional[int], dynamic: jax.Array, fn):
+    """fn(the weights of one version): a static choice is free; a per-stage one
+    a `lax.switch`, each branch computing with its version's buffers in
+    place (a select would copy the weights)."""
+    if static is not None:
+      return fn(versions[static])
+    if len(versions) == 1:
+      return fn(versions[0])
+    index = jnp.clip(dynamic, 0, len(versions) - 1)
+    return lax.switch(index, [functools.partial(fn, v) for v in versions])
+
+  # --- evaluation ----------------------------------------------------------------
+
+  def evaluate(self, blocks: Tree, shared: Tree, tokens: jax.Array, targets: jax.Array,
+               x_like: jax.ShapeDtypeStruct) -> jax.Array:
+    """The summed loss of [M, b, t] microbatches by GPipe's forward ticks (no gradients).
+
+    Cross-entropy counted on the last stage, auxiliary losses on each stage;
+    summing over the mesh gives the batch total.
+    """
+    m, num_stages = tokens.shape[0], self.num_stages
+    s = self._stage_index()
+    is_first, is_last = s == 0, s == num_stages - 1
+    offset = s * self._local_vocab(shared)
+    blocks, shared = make_varying(self.fns.prepare(blocks)), make_varying(shared)
+    to_next, _ = self._sends()
+    ticks = jnp.arange(m + num_stages - 1)
+
+    def tick(c, t):
+      buf, total = c
+      f, last = t - s, t - (num_stages - 1)
+      f_ok, last_ok = (f >= 0) & (f < m), (last >= 0) & (last < m)
+      part = _vocab.masked_lookup(self.fns.embed, shared, tokens[jnp.clip(t, 0, m - 1)], offset,
+                                  self._local_vocab(shared))
+      x0 = lax.psum(part, STAGE).astype(buf.dtype)
+      x = jnp.where(f_ok, jnp.where(is_first, x0, buf), jnp.zeros_like(buf))
+      y, aux = self.fns.stage(blocks, x)
+      y = y.astype(buf.dtype)
+      h = lax.psum(jnp.where(is_last, y, jnp.zeros_like(y)), STAGE)
+      loss = _vocab.cross_entropy(self.fns.logits(shared, h), targets[jnp.clip(last, 0, m - 1)],
+                                  offset, self.fns.vocab_size, STAGE)
+      total = total + jnp.where(f_ok, aux, 0.0) + jnp.where(last_ok & is_last, loss, 0.0)
+      return (lax.ppermute(y, STAGE, to_next), total), None
+
+    init = make_varying((jnp.zeros(x_like.shape, x_like.dtype), jnp.zeros((), jnp.float32)))
+    (_, total), _ = lax.scan(tick, init, ticks)
+    return total

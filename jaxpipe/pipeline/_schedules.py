@@ -1,17 +1,23 @@
 """Training schedules behind one interface: none, gpipe, 1f1b, 2bw, pipedream.
 
 A `Schedule` owns a mesh, the model's `StageFns` and an optax optimizer. Its
-state is one pytree of arrays (what a checkpoint saves): parameters (with a
-leading version axis where several weight versions are alive), optimizer state,
-a step counter and, for 2bw, everything in flight between steps. `step` is one
-jitted function per schedule; `eval_loss` is a forward-only pass.
+state is a typed pytree (`SyncState`, `PipeDreamState`, `TwoBWState`): the
+parameters (with their versions where several are alive), the optimizer
+state, a step counter and, for 2bw, everything in flight between steps. Each
+state class names the kind of each of its fields (`KINDS`), and the shardings
+`jax.jit` places them with and the specs `shard_map` splits them by are both
+derived from those kinds. `step` is one jitted function per schedule;
+`eval_loss` a forward-only pass.
 
 Parameters are a dict whose 'blocks' entry is stacked along a leading layer
 axis; on a pipeline mesh that axis is sharded over 'stage' (each stage holds
-L/S consecutive blocks), and every other entry ('shared': embedding, head) is
-replicated. The optimizer runs after the pipeline, in the same jit, on these
-stage-sharded arrays: element-wise rules and Muon's per-matrix
-orthogonalisation stay on the stage that owns the weights.
+L/S consecutive blocks). Every other entry ('shared': embedding, final norm,
+output layer) is split over 'stage' along its vocabulary axis
+(`StageFns.vocab_axes`; the vocabulary is padded to a multiple of S with
+zeros) or, where it has none, replicated. The optimizer runs after the
+pipeline, in the same jit, on these sharded arrays: element-wise rules and
+Muon's per-matrix orthogonalisation stay on the stage that owns the weights.
+`init` takes and `params` returns the natural (unpadded) parameter tree.
 
 Loss reporting: `step` returns `metrics['loss']`, the mean training loss of
 batch `metrics['loss_step']` at the weights that batch ran on. For 2bw a
@@ -22,7 +28,7 @@ reports batch k-1 (`loss_lag = 1`) and `pending_loss` gives the last batch's.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,17 +37,14 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpipe.pipeline import _engine
-from jaxpipe.pipeline._engine import DATA, STAGE, StageFns, TickCarry
-from jaxpipe.pipeline._timetable import step_plan, min_microbatches
+from jaxpipe.pipeline import _vocab
+from jaxpipe.pipeline._engine import DATA, STAGE, Engine, StageFns, TickCarry
+from jaxpipe.pipeline._timetable import SCHEDULE_NAMES, min_microbatches, step_plan
 
 Tree = Any
-State = dict
 
-__all__ = ["Schedule", "make_schedule", "make_mesh", "split_params", "merge_params",
-           "SCHEDULE_NAMES"]
-
-SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+__all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight",
+           "make_schedule", "make_mesh", "split_params", "merge_params", "SCHEDULE_NAMES"]
 
 
 def make_mesh(num_stages: int, num_data: int, devices=None) -> Mesh:
@@ -65,12 +68,87 @@ def merge_params(blocks: Tree, shared: Tree) -> Tree:
   return {**shared, "blocks": blocks}
 
 
-def _full_loss(fns: StageFns):
-  def loss(params, tokens, targets):
-    blocks, shared = split_params(params)
-    x, aux = fns.stage(blocks, fns.embed(shared, tokens))
-    return fns.head(shared, x, targets) + aux
-  return loss
+# --- typed states --------------------------------------------------------------
+#
+# Field kinds: 'step' a replicated counter; 'params' a parameter tree (natural
+# layout, padded vocabulary); 'versions' a parameter tree with a leading
+# version axis; 'opt' optimizer state following the parameters; 'device'
+# per-device buffers with leading [stage, data] axes; 'batch' a [M, B, t]
+# token batch; 'inflight' a nested `InFlight`.
+
+
+class SyncState(NamedTuple):
+  """State of none, gpipe and 1f1b.
+
+  Attributes:
+    step: updates done.
+    params: the weights.
+    opt_state: the optimizer's state.
+  """
+  step: jax.Array
+  params: Tree
+  opt_state: Tree
+
+  KINDS = {"step": "step", "params": "params", "opt_state": "opt"}
+
+
+class PipeDreamState(NamedTuple):
+  """State of pipedream.
+
+  Attributes:
+    step: updates done (k).
+    versions: [S, ...] the last S weight versions, v[j] at index j % S.
+    opt_state: the optimizer's state.
+  """
+  step: jax.Array
+  versions: Tree
+  opt_state: Tree
+
+  KINDS = {"step": "step", "versions": "versions", "opt_state": "opt"}
+
+
+class InFlight(NamedTuple):
+  """What a 2bw pipeline holds between step k-1 and step k (per device: [S, D, ...]).
+
+  Attributes:
+    fwd_buf, bwd_buf: the activation and cotangent in transit between stages.
+    stash: the stash ring (stage inputs or residuals of microbatches whose
+      backward has not run).
+    acc: (blocks, shared) batch k-1's gradient accumulated so far.
+    loss: batch k-1's loss sum so far.
+    tokens, targets: batch k-1, whose last microbatches still run in step k.
+  """
+  fwd_buf: jax.Array
+  bwd_buf: jax.Array
+  stash: Tree
+  acc: Tree
+  loss: jax.Array
+  tokens: jax.Array
+  targets: jax.Array
+
+  KINDS = {"fwd_buf": "device", "bwd_buf": "device", "stash": "device", "acc": "device",
+           "loss": "device", "tokens": "batch", "targets": "batch"}
+
+
+class TwoBWState(NamedTuple):
+  """State of 2bw at the start of step k.
+
+  Attributes:
+    step: k.
+    prev: v[k-1], the version batch k-1's last microbatches still run on
+      (v[0] at k = 0).
+    cur: v[k], the version batch k runs on.
+    opt_state: the optimizer's state.
+    inflight: the pipeline's in-flight state (`InFlight`).
+  """
+  step: jax.Array
+  prev: Tree
+  cur: Tree
+  opt_state: Tree
+  inflight: InFlight
+
+  KINDS = {"step": "step", "prev": "params", "cur": "params", "opt_state": "opt",
+           "inflight": "inflight"}
 
 
 def _pick(tree: Tree, index) -> Tree:
@@ -90,6 +168,11 @@ def _all_finite(tree: Tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+def _acc_dtype(x) -> jnp.dtype:
+  # Gradients are summed over microbatches in float32, whatever the weights'.
+  return jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+
+
 class Schedule:
   """Base class: shardings, the optimizer step with its NaN guard, and jitting."""
 
@@ -98,12 +181,12 @@ class Schedule:
   pipelined = True
 
   def __init__(self, fns: StageFns, optimizer: optax.GradientTransformation, mesh: Mesh,
-               num_microbatches: int, *, remat: bool = True):
+               num_microbatches: int, *, stash: str = "inputs"):
     self.fns, self.opt, self.mesh = fns, optimizer, mesh
     self.num_stages = mesh.shape[STAGE]
     self.num_data = mesh.shape[DATA]
     self.num_microbatches = num_microbatches
-    self.remat = remat
+    self.stash = stash
     if not self.pipelined and self.num_stages != 1:
       raise ValueError(f"schedule '{self.name}' runs without stages; got a mesh of "
                        f"{self.num_stages} stages")
@@ -111,21 +194,47 @@ class Schedule:
     if num_microbatches < need:
       raise ValueError(f"schedule {self.name} with {self.num_stages} stages needs at least "
                        f"{need} microbatches per step, got {num_microbatches}")
+    # The vocabulary as the state holds it: padded to a multiple of S.
+    self.vocab = (_vocab.padded_vocab(fns.vocab_size, self.num_stages) if self.pipelined
+                  else fns.vocab_size)
     self._jit_step = None
     self._jit_eval = None
 
-  # --- shardings -------------------------------------------------------------
+  # --- shardings, from the kinds of the state's fields -------------------------
 
-  def _spec(self, *axes) -> NamedSharding:
-    return NamedSharding(self.mesh, P(*axes))
+  def _named(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
 
-  def param_shardings(self, params: Tree, *, version_axis: bool = False) -> Tree:
-    """Blocks sharded over 'stage' on their layer axis, everything else replicated."""
-    lead = (None,) if version_axis else ()
+  def replicated(self) -> NamedSharding:
+    """A sharding that keeps a full copy on every device of the mesh."""
+    return self._named(P())
+
+  def batch_sharding(self) -> NamedSharding:
+    """Sharding of a [M, B/M, seq] token batch: rows split over 'data'."""
+    return self._named(P(None, DATA))
+
+  def param_specs(self, params: Tree, lead: tuple = ()) -> Tree:
+    """PartitionSpecs of a parameter tree (behind `lead` extra leading axes).
+
+    Blocks are split over 'stage' on their layer axis, shared leaves on their
+    vocabulary axis; the rest is replicated. Without a pipeline, replicated.
+    """
     blocks, shared = split_params(params)
-    block_spec = self._spec(*lead, STAGE) if self.pipelined else self._spec()
-    return merge_params(jax.tree.map(lambda _: block_spec, blocks),
-                        jax.tree.map(lambda _: self._spec(), shared))
+    if not self.pipelined:
+      return jax.tree.map(lambda _: P(), params)
+    vocab = lambda a: P(*lead, *([None] * a), STAGE) if a is not None else P()
+    return merge_params(jax.tree.map(lambda _: P(*lead, STAGE), blocks),
+                        jax.tree.map(vocab, self.fns.vocab_axes, is_leaf=lambda a: a is None))
+
+  def _check_shared(self, shared: Tree) -> None:
+    axes = jax.tree.structure(self.fns.vocab_axes, is_leaf=lambda a: a is None)
+    if jax.tree.structure(shared) != axes:
+      raise ValueError("StageFns.vocab_axes must have the structure of the non-block "
+                       f"parameters: {jax.tree.structure(shared)} vs {axes}")
+
+  def param_shardings(self, params: Tree, lead: tuple = ()) -> Tree:
+    """Shardings of a parameter tree (see `param_specs`)."""
+    return jax.tree.map(self._named, self.param_specs(params, lead))
 
   def opt_shardings(self, params: Tree, opt_state: Tree) -> Tree:
     """Shardings of the optimizer state: each parameter-shaped copy follows its parameter."""
@@ -135,15 +244,52 @@ class Schedule:
     # not apply; they stay placeholders.
     return optax.tree_map_params(
         self.opt, lambda x, spec: x if masked(x) else spec, opt_state, specs,
-        transform_non_params=lambda _: self._spec(), is_leaf=masked)
+        transform_non_params=lambda _: self.replicated(), is_leaf=masked)
 
-  def replicated(self) -> NamedSharding:
-    """A sharding that keeps a full copy on every device of the mesh."""
-    return self._spec()
+  def _field_specs(self, state: NamedTuple, params: Tree) -> NamedTuple:
+    """PartitionSpecs of every field of a typed state (opt: None, see `state_shardings`)."""
+    out = {}
+    for name, kind in type(state).KINDS.items():
+      value = getattr(state, name)
+      if kind == "step":
+        out[name] = P()
+      elif kind == "params":
+        out[name] = self.param_specs(value)
+      elif kind == "versions":
+        out[name] = self.param_specs(value, lead=(None,))
+      elif kind == "opt":
+        out[name] = None
+      elif kind == "device":
+        out[name] = jax.tree.map(lambda _: P(STAGE, DATA), value)
+      elif kind == "batch":
+        out[name] = P(None, DATA)
+      elif kind == "inflight":
+        out[name] = self._field_specs(value, params)
+      else:
+        raise ValueError(f"{type(state).__name__}.{name}: unknown field kind {kind!r}")
+    return type(state)(**out)
 
-  def batch_sharding(self) -> NamedSharding:
-    """Sharding of a [M, B/M, seq] token batch: rows split over 'data'."""
-    return self._spec(None, DATA)
+  def state_shardings(self, state: NamedTuple) -> NamedTuple:
+    """Shardings of every field of a state (arrays or `jax.eval_shape` structs)."""
+    params = self._params_of(state)
+
+    def shard(state, specs):
+      out = {}
+      for name, kind in type(state).KINDS.items():
+        if kind == "opt":
+          out[name] = self.opt_shardings(params, getattr(state, name))
+        elif kind == "inflight":
+          out[name] = shard(getattr(state, name), getattr(specs, name))
+        else:
+          out[name] = jax.tree.map(self._named, getattr(specs, name),
+                                   is_leaf=lambda x: isinstance(x, P))
+      return type(state)(**out)
+
+    return shard(state, self._field_specs(state, params))
+
+  def _params_of(self, state) -> Tree:
+    """A parameter-shaped field of the state (for the optimizer state's structure)."""
+    raise NotImplementedError
 
   # --- optimizer ---------------------------------------------------------------
 
@@ -167,11 +313,23 @@ class Schedule:
             "finite": finite & jnp.isfinite(loss), "stage_finite": stage_ok,
             "shared_finite": _all_finite(shared)}
 
+  # --- vocabulary padding --------------------------------------------------------
+
+  def _pad(self, params: Tree) -> Tree:
+    blocks, shared = split_params(params)
+    self._check_shared(shared)
+    return merge_params(blocks, _vocab.pad_vocab(shared, self.fns.vocab_axes, self.vocab))
+
+  def _unpad(self, params: Tree) -> Tree:
+    blocks, shared = split_params(params)
+    return merge_params(blocks, _vocab.unpad_vocab(shared, self.fns.vocab_axes,
+                                                   self.fns.vocab_size))
+
   # --- interface ---------------------------------------------------------------
 
   def init(self, params: Tree, batch_shape: tuple[int, int, int],
-           token_dtype=jnp.int32) -> State:
-    """Places `params` on the mesh and builds the initial training state.
+           token_dtype=jnp.int32) -> NamedTuple:
+    """Places `params` (natural shapes) on the mesh and builds the initial training state.
 
     One jitted function makes the whole state directly in its shardings.
 
@@ -185,65 +343,97 @@ class Schedule:
     abstract = jax.eval_shape(fn, params)
     return jax.jit(fn, out_shardings=self.state_shardings(abstract))(params)
 
-  def _init_fn(self, params, *, batch_shape, token_dtype) -> State:
+  def _init_fn(self, params, *, batch_shape, token_dtype):
     del batch_shape, token_dtype
-    return {"step": jnp.zeros((), jnp.int32), "params": params,
-            "opt_state": self.opt.init(params)}
+    params = self._pad(params)
+    return SyncState(jnp.zeros((), jnp.int32), params, self.opt.init(params))
 
-  def state_shardings(self, state: State) -> Tree:
-    """Shardings of every entry of a state (arrays or `jax.eval_shape` structs)."""
-    out = {}
-    for key, value in state.items():
-      if key == "params":
-        out[key] = self.param_shardings(value)
-      elif key == "versions":
-        out[key] = self.param_shardings(value, version_axis=True)
-      elif key == "opt_state":
-        params = state["params"] if "params" in state else state["versions"]  # structure only
-        out[key] = self.opt_shardings(params, value)
-      elif key in ("prev_tokens", "prev_targets"):
-        out[key] = self.batch_sharding()
-      elif key == "step":
-        out[key] = self._spec()
-      else:  # in-flight per-device buffers, [stage, data, ...]
-        out[key] = jax.tree.map(lambda _: self._spec(STAGE, DATA), value)
-    return out
+  def _params_of(self, state) -> Tree:
+    return state.params
 
-  def params(self, state: State) -> Tree:
+  def newest(self, state) -> Tree:
+    """The newest weights as the state holds them (vocabulary padded)."""
+    return state.params
+
+  def params(self, state) -> Tree:
     """The newest weights (those the next batch runs on), natural shapes."""
-    return state["params"]
+    return jax.jit(self._unpad)(self.newest(state))
 
-  def _step_fn(self, state: State, tokens, targets):
+  def _step_fn(self, state, tokens, targets):
     raise NotImplementedError
 
-  def _eval_fn(self, params: Tree, tokens, targets):
+  def _eval_fn(self, params, tokens, targets):
     raise NotImplementedError
 
-  def _jitted_step(self, state: State):
+  def _guarded_step(self, state, tokens, targets, go):
+    """The step when `go`, else nothing: the state comes back as it went in.
+
+    Lets a caller queue step k+1 before it has read step k's metrics and
+    still stop on what they say (`go` = step k's `finite`): the state is
+    donated, so the last good state must survive inside the device program.
+    """
+    metrics = jax.eval_shape(self._step_fn, state, tokens, targets)[1]
+    idle = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metrics)
+    new_state, metrics = lax.cond(go, lambda: self._step_fn(state, tokens, targets),
+                                  lambda: (state, idle))
+    return new_state, {**metrics, "ran": go}
+
+  def _plain_step(self, state, tokens, targets):
+    new_state, metrics = self._step_fn(state, tokens, targets)
+    return new_state, {**metrics, "ran": jnp.asarray(True)}
+
+  def _jitted_step(self, state, guarded: bool):
     if self._jit_step is None:
+      self._jit_step = {}
+    if guarded not in self._jit_step:
       shardings = self.state_shardings(state)
       # Metrics replicated everywhere, so every process can read them.
-      self._jit_step = jax.jit(self._step_fn, donate_argnums=(0,),
-                               out_shardings=(shardings, self._spec()))
-    return self._jit_step
+      fn = self._guarded_step if guarded else self._plain_step
+      self._jit_step[guarded] = jax.jit(fn, donate_argnums=(0,),
+                                        out_shardings=(shardings, self.replicated()))
+    return self._jit_step[guarded]
 
-  def step(self, state: State, tokens: jax.Array, targets: jax.Array):
-    """One training step on a [M, B/M, seq] batch; returns (state, metrics)."""
-    return self._jitted_step(state)(state, tokens, targets)
+  def step(self, state, tokens: jax.Array, targets: jax.Array, go: Optional[jax.Array] = None):
+    """One training step on a [M, B/M, seq] batch; returns (state, metrics).
 
-  def lower_step(self, state: State, tokens, targets):
+    With `go` (a boolean scalar, possibly still being computed on the
+    devices) the step runs only when it is true; otherwise it returns its
+    state unchanged, with `metrics['ran']` false. The guard is a separate
+    program (it costs some memory where the state is rearranged, as 2bw's
+    is); without `go` there is none. Dispatch returns at once; reading the
+    metrics waits for the step.
+    """
+    if go is None:
+      return self._jitted_step(state, False)(state, tokens, targets)
+    return self._jitted_step(state, True)(state, tokens, targets, go)
+
+  def lower_step(self, state, tokens, targets, go: Optional[jax.Array] = None):
     """The lowered (not yet compiled) step, for HLO inspection and compile timing."""
-    return self._jitted_step(state).lower(state, tokens, targets)
+    if go is None:
+      return self._jitted_step(state, False).lower(state, tokens, targets)
+    return self._jitted_step(state, True).lower(state, tokens, targets, go)
 
-  def eval_loss(self, state: State, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean loss of a [M, B/M, seq] batch at the newest weights (no update)."""
+  def _evaluate(self, params, tokens, targets):
+    """Mean loss of a batch at `params` (the state's layout), jitted once."""
     if self._jit_eval is None:
-      self._jit_eval = jax.jit(self._eval_fn, out_shardings=self._spec())
-    return self._jit_eval(self.params(state), tokens, targets)
+      self._jit_eval = jax.jit(self._eval_fn, out_shardings=self.replicated())
+    return self._jit_eval(params, tokens, targets)
 
-  def pending_loss(self, state: State) -> Optional[jax.Array]:
+  def eval_loss(self, state, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean loss of a [M, B/M, seq] batch at the newest weights (no update)."""
+    return self._evaluate(self.newest(state), tokens, targets)
+
+  def pending_loss(self, state) -> Optional[jax.Array]:
     """Loss of the batch whose report is still in flight (2bw), else None."""
     return None
+
+
+def _full_loss(fns: StageFns):
+  def loss(params, tokens, targets):
+    blocks, shared = split_params(params)
+    x, aux = fns.stage(blocks, fns.embed(shared, tokens))
+    return fns.loss(shared, x, targets) + aux
+  return loss
 
 
 class NoPipeline(Schedule):
@@ -262,19 +452,19 @@ class NoPipeline(Schedule):
     def micro(carry, batch):
       g_sum, l_sum = carry
       loss, g = jax.value_and_grad(loss_fn)(params, *batch)
-      return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss), None
+      return (jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g), l_sum + loss), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, _acc_dtype(x)), params)
     (g, loss), _ = lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (tokens, targets))
     m = tokens.shape[0]
     return jax.tree.map(lambda x: x / m, g), loss / m
 
   def _step_fn(self, state, tokens, targets):
-    grads, loss = self._grads(state["params"], tokens, targets)
-    params, opt_state, finite = self._update(state["params"], state["opt_state"], grads,
+    grads, loss = self._grads(state.params, tokens, targets)
+    params, opt_state, finite = self._update(state.params, state.opt_state, grads,
                                              jnp.array(True))
-    metrics = self._grad_metrics(grads, loss, state["step"], finite)
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+    metrics = self._grad_metrics(grads, loss, state.step, finite)
+    return SyncState(state.step + 1, params, opt_state), metrics
 
   def _eval_fn(self, params, tokens, targets):
     loss_fn = _full_loss(self.fns)
@@ -288,125 +478,106 @@ class _Pipelined(Schedule):
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.plan = step_plan(self.name, self.num_stages, self.num_microbatches)
-    self.eval_plan = step_plan("gpipe", self.num_stages, self.num_microbatches)
+    self.engine = Engine(self.fns, self.plan, stash=self.stash)
 
   def _shard_map(self, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=True)
 
-  def _block_specs(self, tree, lead=()):
-    return jax.tree.map(lambda _: P(*lead, STAGE), tree)
+  def _shared_local(self, shared: Tree) -> Tree:
+    """Abstract per-stage shapes of a (padded) shared tree."""
+    def one(x, a):
+      shape = list(x.shape)
+      if a is not None:
+        shape[a] //= self.num_stages
+      return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+    return jax.tree.map(one, shared, self.fns.vocab_axes, is_leaf=lambda a: a is None)
 
-  def _rep_specs(self, tree):
-    return jax.tree.map(lambda _: P(), tree)
-
-  def _act_like(self, shared, tokens_local_mb) -> jax.ShapeDtypeStruct:
-    return jax.eval_shape(self.fns.embed, shared, tokens_local_mb)
-
-  def _local_mb(self, tokens) -> jax.ShapeDtypeStruct:
+  def _act_like(self, shared: Tree, tokens) -> jax.ShapeDtypeStruct:
+    """The per-device activation: what the embedding makes of a local microbatch."""
     m, b, t = tokens.shape
-    return jax.ShapeDtypeStruct((b // self.num_data, t), tokens.dtype)
+    local = jax.ShapeDtypeStruct((b // self.num_data, t), tokens.dtype)
+    return jax.eval_shape(self.fns.embed, self._shared_local(shared), local)
 
   def _reduce(self, g_blocks, g_shared, loss):
     """Sums a step's per-device gradient and loss sums into batch means."""
     n = self.num_microbatches * self.num_data
     g_blocks = jax.tree.map(lambda g: lax.psum(g, DATA) / n, g_blocks)
-    g_shared = jax.tree.map(lambda g: lax.psum(g, (STAGE, DATA)) / n, g_shared)
+    g_shared = jax.tree.map(
+        lambda g, a: lax.psum(g, DATA if a is not None else (STAGE, DATA)) / n,
+        g_shared, self.fns.vocab_axes, is_leaf=lambda a: a is None)
     return g_blocks, g_shared, lax.psum(loss, (STAGE, DATA)) / n
 
-  def _forward_only(self, blocks, shared, tokens, targets):
+  def _eval_fn(self, params, tokens, targets):
     """Mean loss by GPipe's forward ticks, as a shard_map over the mesh."""
-    x_like = self._act_like(shared, self._local_mb(tokens))
+    blocks, shared = split_params(params)
+    x_like = self._act_like(shared, tokens)
 
     def body(blocks, shared, tokens, targets):
-      x0 = _engine.fresh(jnp.zeros(x_like.shape, x_like.dtype))
-      total = _engine.forward_loss(self.fns, self.eval_plan, blocks, shared, tokens, targets,
-                                   x0, remat=False)
+      total = self.engine.evaluate(blocks, shared, tokens, targets, x_like)
       return lax.psum(total, (STAGE, DATA)) / (self.num_microbatches * self.num_data)
 
-    fn = self._shard_map(body, (self._block_specs(blocks), self._rep_specs(shared),
-                                P(None, DATA), P(None, DATA)), P())
+    specs = split_params(self.param_specs(params))
+    fn = self._shard_map(body, (*specs, P(None, DATA), P(None, DATA)), P())
     return fn(blocks, shared, tokens, targets)
 
-  def _eval_fn(self, params, tokens, targets):
-    blocks, shared = split_params(params)
-    return self._forward_only(blocks, shared, tokens, targets)
+  def _flushed_grads(self, blocks, shared, tokens, targets, *, pick=None):
+    """One flushed step of the plan (gpipe, 1f1b, pipedream): mean grads and loss.
 
-  def _flush_grads(self, versions, version_of, tokens, targets):
-    """Runs one flushed step of tick plan (1f1b, pipedream): mean grads and loss.
-
-    `versions` is (blocks, shared) with a leading version axis;
-    `version_of(stage)` picks the version a stage runs.
+    `blocks` and `shared` are parameter trees; with `pick`, rings with a
+    leading version axis instead, and `pick(stage)` gives (the version of
+    the stage's blocks, the shared versions the plan's indices choose from).
+    Without it the one version is used as it is (no copy).
     """
-    plan = self.plan
-    ring = 2 * (self.num_stages - 1) + 1
-    x_like = self._act_like(_pick(versions[1], 0), self._local_mb(tokens))
+    lead = () if pick is None else (None,)
+    one = (lambda t: t) if pick is None else (lambda t: _pick(t, 0))
+    x_like = self._act_like(one(shared), tokens)
 
-    def body(blocks_v, shared_v, tokens, targets):
-      versions = (_engine.varying(blocks_v, (DATA,)), _engine.varying(shared_v, (STAGE, DATA)))
-      x0 = jnp.zeros(x_like.shape, x_like.dtype)
-      acc = jax.tree.map(lambda v: jnp.zeros((1,) + v.shape[1:], v.dtype), versions)
-      carry = _engine.fresh(TickCarry(x0, x0, jnp.zeros((ring,) + x0.shape, x0.dtype), acc,
-                                      jnp.zeros((1,), jnp.float32)))
-      stage_version = version_of(lax.axis_index(STAGE))
-      window = (jnp.concatenate([tokens, tokens]), jnp.concatenate([targets, targets]))
-      carry = _engine.tick_loop(
-          self.fns, plan, versions, *window, carry,
-          version_of=lambda i: stage_version, valid_of=lambda i: i >= 0,
-          acc_of=lambda i: 0, slot_of=lambda i: i % ring)
-      return self._reduce(_pick(carry.acc[0], 0), _pick(carry.acc[1], 0), carry.loss[0])
+    def body(blocks, shared, tokens, targets):
+      if pick is None:
+        blocks_v, shared_v = (blocks,), (shared,)
+      else:
+        b, sh = pick(lax.axis_index(STAGE))
+        blocks_v, shared_v = (_pick(blocks, b),), tuple(_pick(shared, i) for i in sh)
+      carry = self.engine.empty_carry(blocks_v[0], shared_v[0], x_like)
+      carry = self.engine.run(blocks_v, shared_v, tokens, targets, carry)
+      (g_blocks, g_shared), = carry.accs
+      return self._reduce(g_blocks, g_shared, carry.losses[0])
 
-    blocks_v, shared_v = versions
-    fn = self._shard_map(
-        body, (self._block_specs(blocks_v, (None,)), self._rep_specs(shared_v),
-               P(None, DATA), P(None, DATA)),
-        (self._block_specs(_pick(blocks_v, 0)), self._rep_specs(shared_v), P()))
-    g_blocks, g_shared, loss = fn(blocks_v, shared_v, tokens, targets)
+    specs = self.param_specs(merge_params(blocks, shared), lead=lead)
+    plain = self.param_specs(merge_params(one(blocks), one(shared)))
+    fn = self._shard_map(body, (*split_params(specs), P(None, DATA), P(None, DATA)),
+                         (*split_params(plain), P()))
+    g_blocks, g_shared, loss = fn(blocks, shared, tokens, targets)
     return merge_params(g_blocks, g_shared), loss
 
 
-class GPipe(_Pipelined):
-  """GPipe: M+S-1 forward ticks, backward by `jax.grad`, with rematerialisation."""
+class _OneVersion(_Pipelined):
+  """gpipe and 1f1b: one weight version, a flush every step."""
+
+  def _step_fn(self, state, tokens, targets):
+    grads, loss = self._flushed_grads(*split_params(state.params), tokens, targets)
+    params, opt_state, finite = self._update(state.params, state.opt_state, grads,
+                                             jnp.array(True))
+    metrics = self._grad_metrics(grads, loss, state.step, finite)
+    return SyncState(state.step + 1, params, opt_state), metrics
+
+
+class GPipe(_OneVersion):
+  """GPipe: M+S-1 forward ticks, then M+S-1 backward ticks in reverse order.
+
+  With `stash='inputs'` the backward recomputes each stage from its stashed
+  input (GPipe's rematerialisation); with 'residuals' the forward keeps the
+  residuals of all M microbatches.
+  """
 
   name = "gpipe"
 
-  def _step_fn(self, state, tokens, targets):
-    blocks, shared = split_params(state["params"])
-    x_like = self._act_like(shared, self._local_mb(tokens))
-    plan = self.plan
 
-    def body(blocks, shared, tokens, targets):
-      blocks, shared = _engine.varying(blocks, (DATA,)), _engine.varying(shared, (STAGE, DATA))
-      x0 = _engine.fresh(jnp.zeros(x_like.shape, x_like.dtype))
-      loss_fn = lambda b, s: _engine.forward_loss(self.fns, plan, b, s, tokens, targets, x0,
-                                                  remat=self.remat)
-      total, (gb, gs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(blocks, shared)
-      return self._reduce(gb, gs, total)
-
-    fn = self._shard_map(body, (self._block_specs(blocks), self._rep_specs(shared),
-                                P(None, DATA), P(None, DATA)),
-                         (self._block_specs(blocks), self._rep_specs(shared), P()))
-    g_blocks, g_shared, loss = fn(blocks, shared, tokens, targets)
-    grads = merge_params(g_blocks, g_shared)
-    params, opt_state, finite = self._update(state["params"], state["opt_state"], grads,
-                                             jnp.array(True))
-    metrics = self._grad_metrics(grads, loss, state["step"], finite)
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
-
-
-class OneFOneB(_Pipelined):
-  """1F1B (PipeDream-Flush) in lockstep: M+2(S-1) ticks, one version, a flush per step."""
+class OneFOneB(_OneVersion):
+  """1F1B (PipeDream-Flush): S-1 forward-only ticks, M ticks of both, S-1 backward-only."""
 
   name = "1f1b"
-
-  def _step_fn(self, state, tokens, targets):
-    blocks, shared = split_params(state["params"])
-    versions = jax.tree.map(lambda x: x[None], (blocks, shared))
-    grads, loss = self._flush_grads(versions, lambda s: 0, tokens, targets)
-    params, opt_state, finite = self._update(state["params"], state["opt_state"], grads,
-                                             jnp.array(True))
-    metrics = self._grad_metrics(grads, loss, state["step"], finite)
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 
 class PipeDream(_Pipelined):
@@ -415,33 +586,40 @@ class PipeDream(_Pipelined):
   The batch-granular model of docs/schedules.md: every stage keeps its last
   S weight versions (a ring indexed by update count mod S); batch k's forward
   and backward on stage s use version max(0, k - d_s), d_s = S-1-s, and the
-  gradient updates the newest version. Executed with 1F1B's flushed ticks, so
-  its numerics are PipeDream's but its time per step is 1F1B's: it exists for
-  the staleness comparison, not for speed.
+  gradient updates the newest version. The embedding belongs to stage 0 and
+  the head to the last stage, so their slices on every stage run at those
+  stages' versions. Executed with 1F1B's flushed ticks, so its numerics are
+  PipeDream's but its time per step is 1F1B's: it exists for the staleness
+  comparison, not for speed.
   """
 
   name = "pipedream"
 
   def _init_fn(self, params, *, batch_shape, token_dtype):
     del batch_shape, token_dtype
+    params = self._pad(params)
     s = self.num_stages
     versions = jax.tree.map(lambda x: jnp.broadcast_to(x, (s,) + x.shape), params)
-    return {"step": jnp.zeros((), jnp.int32), "versions": versions,
-            "opt_state": self.opt.init(params)}
+    return PipeDreamState(jnp.zeros((), jnp.int32), versions, self.opt.init(params))
 
-  def params(self, state):
-    return _pick(state["versions"], state["step"] % self.num_stages)
+  def _params_of(self, state) -> Tree:
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), state.versions)
+
+  def newest(self, state) -> Tree:
+    return _pick(state.versions, state.step % self.num_stages)
 
   def _step_fn(self, state, tokens, targets):
-    k, s_ = state["step"], self.num_stages
-    versions = split_params(state["versions"])
-    version_of = lambda s: jnp.maximum(0, k - (s_ - 1 - s)) % s_
-    grads, loss = self._flush_grads(versions, version_of, tokens, targets)
-    newest = _pick(state["versions"], k % s_)
-    params, opt_state, finite = self._update(newest, state["opt_state"], grads, jnp.array(True))
-    ring = jax.tree.map(lambda v, p: v.at[(k + 1) % s_].set(p), state["versions"], params)
+    k, s_ = state.step, self.num_stages
+    blocks_v, shared_v = split_params(state.versions)
+    lagged = lambda d: jnp.maximum(0, k - d) % s_
+    grads, loss = self._flushed_grads(
+        blocks_v, shared_v, tokens, targets,
+        pick=lambda s: (lagged(s_ - 1 - s), (lagged(s_ - 1), k % s_)))
+    newest = _pick(state.versions, k % s_)
+    params, opt_state, finite = self._update(newest, state.opt_state, grads, jnp.array(True))
+    ring = jax.tree.map(lambda v, p: v.at[(k + 1) % s_].set(p), state.versions, params)
     metrics = self._grad_metrics(grads, loss, k, finite)
-    return {"step": k + 1, "versions": ring, "opt_state": opt_state}, metrics
+    return PipeDreamState(k + 1, ring, opt_state), metrics
 
 
 class TwoBW(_Pipelined):
@@ -449,12 +627,12 @@ class TwoBW(_Pipelined):
 
   Step k runs M ticks; at tick i stage s runs the forward of window
   microbatch M+i-s and the backward of M+i-2(S-1)+s (below M: batch k-1).
-  Microbatches of batch k use v[k] (version slot k % 2), those of k-1 use
-  v[k-1]. At the end of step k the gradient of batch k-1 is complete, and
-  v[k+1] = v[k] + U(G[k-1]) overwrites slot (k+1) % 2. Step 0 has no finished
-  batch: v[1] = v[0] and the optimizer is not called. The stash, the
-  in-flight activations and cotangents, batch k's partial gradient and loss,
-  and batch k's tokens stay in the state for step k+1.
+  Microbatches of batch k use v[k] (`cur`), those of k-1 use v[k-1]
+  (`prev`). At the end of step k the gradient of batch k-1 is complete, and
+  v[k+1] = v[k] + U(G[k-1]) becomes `cur` while v[k] becomes `prev`. Step 0
+  has no finished batch: v[1] = v[0] and the optimizer is not called. The
+  stash, the in-flight activations and cotangents, batch k's partial
+  gradient and loss, and batch k's tokens stay in the state for step k+1.
 
   Final weights: after N steps the newest version is v[N], which equals N
   steps of one-device training with `jaxpipe.optim.delay(opt, 1)`; the last
@@ -467,94 +645,67 @@ class TwoBW(_Pipelined):
   def _init_fn(self, params, *, batch_shape, token_dtype):
     """Two copies of v[0], an empty pipeline, zero batches in the batch slots."""
     m, b, t = batch_shape
+    params = self._pad(params)
     blocks, shared = split_params(params)
-    x = self._act_like(shared, jax.ShapeDtypeStruct((b // self.num_data, t), token_dtype))
-    s_, d_ = self.num_stages, self.num_data
-    ring = 2 * (s_ - 1) + 1
-    zeros = lambda shape, dtype: jnp.zeros((s_, d_) + tuple(shape), dtype)
-    return {
-        "step": jnp.zeros((), jnp.int32),
-        "versions": jax.tree.map(lambda v: jnp.broadcast_to(v, (2,) + v.shape), params),
-        "opt_state": self.opt.init(params),
-        "acc": merge_params(
-            jax.tree.map(lambda v: zeros((v.shape[0] // s_,) + v.shape[1:], v.dtype), blocks),
-            jax.tree.map(lambda v: zeros(v.shape, v.dtype), shared)),
-        "loss": zeros((), jnp.float32),
-        "stash": zeros((ring,) + x.shape, x.dtype),
-        "fwd_buf": zeros(x.shape, x.dtype),
-        "bwd_buf": zeros(x.shape, x.dtype),
-        "prev_tokens": jnp.zeros((m, b, t), token_dtype),
-        "prev_targets": jnp.zeros((m, b, t), token_dtype),
-    }
+    batch = jax.ShapeDtypeStruct((m, b, t), token_dtype)
+    x_like = self._act_like(shared, batch)
 
-  def params(self, state):
-    return _pick(state["versions"], state["step"] % 2)
+    def empty(blocks, shared):
+      c = self.engine.empty_carry(blocks, shared, x_like)
+      (acc,) = c.accs[:1]
+      return _per_device((c.fwd_buf, c.bwd_buf, c.stash, acc, c.losses[0]))
+
+    fn = self._shard_map(empty, split_params(self.param_specs(params)), P(STAGE, DATA))
+    fwd_buf, bwd_buf, stash, acc, loss = fn(blocks, shared)
+    inflight = InFlight(fwd_buf, bwd_buf, stash, acc, loss, jnp.zeros((m, b, t), token_dtype),
+                        jnp.zeros((m, b, t), token_dtype))
+    return TwoBWState(jnp.zeros((), jnp.int32), params, params, self.opt.init(params), inflight)
+
+  def _params_of(self, state) -> Tree:
+    return state.cur
+
+  def newest(self, state) -> Tree:
+    return state.cur
 
   def _step_fn(self, state, tokens, targets):
-    k, m, s_ = state["step"], self.num_microbatches, self.num_stages
-    ring = 2 * (s_ - 1) + 1
-    plan = self.plan
-    blocks_v, shared_v = split_params(state["versions"])
-    acc_blocks, acc_shared = split_params(state["acc"])
+    k, m = state.step, self.num_microbatches
+    f = state.inflight
+    specs = self._field_specs(state, state.cur)
 
-    def body(blocks_v, shared_v, acc_blocks, acc_shared, loss, stash, fwd_buf, bwd_buf,
-             prev_tok, prev_tgt, tok, tgt, k):
-      versions = (_engine.varying(blocks_v, (DATA,)), _engine.varying(shared_v, (STAGE, DATA)))
-      # Accumulator 0 is batch k-1 (carried in), 1 is batch k (starts empty).
-      acc = jax.tree.map(lambda a: jnp.stack([a, jnp.zeros_like(a)]),
-                         _local((acc_blocks, acc_shared)))
-      carry = TickCarry(_local(fwd_buf), _local(bwd_buf), _local(stash), acc,
-                        jnp.stack([_local(loss), jnp.zeros((), jnp.float32)]))
-      cur = k % 2
+    def body(prev, cur, fwd_buf, bwd_buf, stash, acc, loss, prev_tok, prev_tgt, tok, tgt, k):
+      (prev_b, prev_s), (cur_b, cur_s) = split_params(prev), split_params(cur)
+      acc_prev = _local(acc)
+      carry = TickCarry(_local(fwd_buf), _local(bwd_buf), _local(stash),
+                        (acc_prev, jax.tree.map(jnp.zeros_like, acc_prev)),
+                        jnp.stack([_local(loss), jnp.zeros_like(_local(loss))]))
       window = (jnp.concatenate([prev_tok, tok]), jnp.concatenate([prev_tgt, tgt]))
-      carry = _engine.tick_loop(
-          self.fns, plan, versions, *window, carry,
-          version_of=lambda i: jnp.where(i >= m, cur, 1 - cur),
-          valid_of=lambda i: (i >= m) | (k > 0),
-          acc_of=lambda i: (i >= m).astype(jnp.int32),
-          slot_of=lambda i: (k * m + i) % ring)
-      g_blocks, g_shared, done = self._reduce(_pick(carry.acc[0], 0), _pick(carry.acc[1], 0),
-                                              carry.loss[0])
-      return (g_blocks, g_shared, done, *_per_device(
-          (_pick(carry.acc[0], 1), _pick(carry.acc[1], 1), carry.loss[1], carry.stash,
-           carry.fwd_buf, carry.bwd_buf)))
+      carry = self.engine.run((prev_b, cur_b), (prev_s, cur_s), *window, carry,
+                              has_history=k > 0, slot_base=(k * m) % self.plan.slots)
+      g_blocks, g_shared, done = self._reduce(*carry.accs[0], carry.losses[0])
+      return (merge_params(g_blocks, g_shared), done, *_per_device(
+          (carry.fwd_buf, carry.bwd_buf, carry.stash, carry.accs[1], carry.losses[1])))
 
-    dev = P(STAGE, DATA)
-    dev_tree = lambda tree: jax.tree.map(lambda _: dev, tree)
+    inflight = specs.inflight
     fn = self._shard_map(
         body,
-        (self._block_specs(blocks_v, (None,)), self._rep_specs(shared_v), dev_tree(acc_blocks),
-         dev_tree(acc_shared), dev, dev, dev, dev, P(None, DATA), P(None, DATA), P(None, DATA),
-         P(None, DATA), P()),
-        (self._block_specs(_pick(blocks_v, 0)), self._rep_specs(_pick(shared_v, 0)), P(),
-         dev_tree(acc_blocks), dev_tree(acc_shared), dev, dev, dev, dev))
-    (g_blocks, g_shared, loss_done, acc_b, acc_s, loss_part, stash, fwd_buf, bwd_buf) = fn(
-        blocks_v, shared_v, acc_blocks, acc_shared, state["loss"], state["stash"],
-        state["fwd_buf"], state["bwd_buf"], state["prev_tokens"], state["prev_targets"],
-        tokens, targets, k)
-    grads = merge_params(g_blocks, g_shared)
-    current = _pick(state["versions"], k % 2)
-    params, opt_state, finite = self._update(current, state["opt_state"], grads, k > 0)
-    versions = jax.tree.map(lambda v, p: v.at[(k + 1) % 2].set(p), state["versions"], params)
+        (specs.prev, specs.cur, inflight.fwd_buf, inflight.bwd_buf, inflight.stash, inflight.acc,
+         inflight.loss, inflight.tokens, inflight.targets, P(None, DATA), P(None, DATA), P()),
+        (specs.cur, P(), inflight.fwd_buf, inflight.bwd_buf, inflight.stash, inflight.acc,
+         inflight.loss))
+    grads, loss_done, fwd_buf, bwd_buf, stash, acc, loss = fn(
+        state.prev, state.cur, f.fwd_buf, f.bwd_buf, f.stash, f.acc, f.loss, f.tokens,
+        f.targets, tokens, targets, k)
+    params, opt_state, finite = self._update(state.cur, state.opt_state, grads, k > 0)
     metrics = self._grad_metrics(grads, loss_done, k - 1, finite | (k == 0))
-    new_state = {
-        "step": k + 1, "versions": versions, "opt_state": opt_state,
-        "acc": merge_params(acc_b, acc_s), "loss": loss_part, "stash": stash,
-        "fwd_buf": fwd_buf, "bwd_buf": bwd_buf,
-        # Copies: the state is donated to the next step, the caller's batch is not.
-        "prev_tokens": jnp.copy(tokens), "prev_targets": jnp.copy(targets),
-    }
-    return new_state, metrics
+    # Copies: the state is donated to the next step, the caller's batch is not.
+    inflight = InFlight(fwd_buf, bwd_buf, stash, acc, loss, jnp.copy(tokens), jnp.copy(targets))
+    return TwoBWState(k + 1, state.cur, params, opt_state, inflight), metrics
 
   def pending_loss(self, state):
     """Loss of the last batch run (batch step-1) at the version it ran on."""
-    k = int(state["step"])
-    if k == 0:
+    if int(state.step) == 0:
       return None
-    if self._jit_eval is None:
-      self._jit_eval = jax.jit(self._eval_fn, out_shardings=self._spec())
-    params = _pick(state["versions"], (k - 1) % 2)
-    return self._jit_eval(params, state["prev_tokens"], state["prev_targets"])
+    return self._evaluate(state.prev, state.inflight.tokens, state.inflight.targets)
 
 
 _CLASSES = {"none": NoPipeline, "gpipe": GPipe, "1f1b": OneFOneB, "2bw": TwoBW,
@@ -563,7 +714,10 @@ _CLASSES = {"none": NoPipeline, "gpipe": GPipe, "1f1b": OneFOneB, "2bw": TwoBW,
 
 def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformation,
                   mesh: Mesh, num_microbatches: int, **kwargs) -> Schedule:
-  """Returns the schedule called `name` on `mesh` (see module docstring)."""
+  """Returns the schedule called `name` on `mesh` (see module docstring).
+
+  Keyword arguments: `stash` ('inputs' or 'residuals', see `Engine`).
+  """
   if name not in _CLASSES:
     raise ValueError(f"unknown schedule '{name}'; choose from {', '.join(SCHEDULE_NAMES)}")
   return _CLASSES[name](fns, optimizer, mesh, num_microbatches, **kwargs)

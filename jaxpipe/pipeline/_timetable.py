@@ -1,16 +1,45 @@
-"""Schedules as data: which microbatch each stage runs forward and backward at each tick.
+"""Schedules as data: every per-(tick, stage) decision of a training step, as arrays.
 
-A `StepPlan` is the plan of one training step, in the form the engine executes:
-two integer arrays `[ticks, stages]` naming, per tick and stage, the microbatch
-whose forward (and whose backward) that stage runs, or -1 for none.
-Microbatches are numbered in "window" coordinates: 0..M-1 are the previous
-batch, M..2M-1 the current one, so a schedule that never flushes (2bw) can
-finish the previous batch's microbatches while it starts the current one's.
+A `StepPlan` is one training step in the form the engine executes. For each
+tick t and stage s it names, in int32 arrays of shape [ticks, S]:
 
-A `Timetable` unrolls the plan over a few steps into cells with global
-microbatch numbers and weight versions: the ASCII table, the PNG of
-`tools/schedule_viz.py` and the tests are all drawn from it, so what they show
-is what the engine runs. Pure Python and NumPy; no JAX.
+  fwd, bwd           the window index of the microbatch whose forward (and
+                     whose backward) stage s runs, or -1 for none;
+  fwd_version,       which of the weight versions given to the engine that
+  bwd_version        forward and that backward use (-1 where there is none);
+  acc                the gradient accumulator the backward adds into;
+  fwd_slot, bwd_slot the stash slot the forward writes and the backward reads,
+                     as an offset the engine adds to the step's slot base;
+
+and per tick (arrays of shape [ticks]), for the work every stage shares:
+
+  embed_version      the shared-parameter version of stage 0's forward
+                     microbatch, whose vocabulary-parallel embedding every stage
+                     takes part in;
+  head_version,      the shared version and accumulator of the last stage's
+  head_acc           forward microbatch, whose output layer and loss every stage
+                     computes a slice of (the same tick, before the backwards);
+  embed_grad_version the shared version and accumulator of stage 0's backward
+  embed_acc          microbatch, whose embedding gradient every stage adds to
+                     its slice.
+
+Block versions and shared versions are separate tuples: 2bw gives the engine
+(v[k-1], v[k]) for both; pipedream gives each stage its own lagged blocks and,
+for the shared parameters, (the embedding's version, the head's version),
+since the embedding belongs to stage 0 and the head to the last stage.
+
+Window indices number the microbatches a step can touch: 0..M-1 are the
+previous batch and M..2M-1 the current one for 2bw (which never flushes, so
+it finishes the previous batch while it starts the current one); 0..M-1 the
+current batch for the flushed schedules. The tick kinds (forward-only,
+backward-only, both) follow from the arrays: a tick in which no stage has a
+backward runs no backward code at all, and the engine runs each run of ticks
+of one kind as its own loop.
+
+`facts` gives what the rest of the project needs to know about a schedule (the
+fewest microbatches, ticks, the bubble, versions, stash slots), computed from
+these arrays; `timetable` unrolls the plan over steps into the cells that
+`tools/schedule_viz.py` draws and the tests check. Pure Python and NumPy.
 """
 
 from __future__ import annotations
@@ -20,10 +49,18 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["StepPlan", "Cell", "Timetable", "step_plan", "timetable", "ticks_per_step",
-           "bubble_fraction", "min_microbatches"]
+__all__ = ["SCHEDULE_NAMES", "PIPELINED", "StepPlan", "TickKind", "Facts", "Cell", "Timetable",
+           "step_plan", "facts", "timetable", "min_microbatches", "stash_slots",
+           "FORWARD_COST", "BACKWARD_COST"]
 
+SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
 PIPELINED = ("gpipe", "1f1b", "2bw", "pipedream")
+
+# The cost model of a tick: a forward of one stage on one microbatch is one
+# unit, its backward two (a backward computes the gradients of both the
+# inputs and the weights). A tick lasts as long as its slowest stage: a tick
+# in which some stage runs a backward and some stage a forward costs 3.
+FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 
 
 def min_microbatches(schedule: str, num_stages: int) -> int:
@@ -34,56 +71,143 @@ def min_microbatches(schedule: str, num_stages: int) -> int:
   return 1
 
 
-def ticks_per_step(schedule: str, num_stages: int, num_microbatches: int) -> int:
-  """Ticks (stage-parallel time slots) of one step.
+def stash_slots(schedule: str, num_stages: int, num_microbatches: int) -> int:
+  """Stash slots each stage keeps (the ring the engine carries).
 
-  none: M microbatches on one device; gpipe: M+S-1 forward ticks then as many
-  backward ticks; 1f1b and pipedream (lockstep, flushed): M+2(S-1) ticks that
-  each hold a forward and a backward; 2bw: M ticks.
+  A microbatch's stage input (or its residuals) lives on stage s from its
+  forward to its backward, 2(S-1-s) ticks later; the engine writes a tick's
+  forward before it reads its backward, so 2(S-1)+1 slots serve every stage
+  of 1f1b, 2bw and pipedream. GPipe runs every forward before any backward:
+  M slots.
   """
-  s, m = num_stages, num_microbatches
-  return {"none": m, "gpipe": 2 * (m + s - 1), "1f1b": m + 2 * (s - 1),
-          "pipedream": m + 2 * (s - 1), "2bw": m}[schedule]
-
-
-def bubble_fraction(schedule: str, num_stages: int, num_microbatches: int) -> float:
-  """Share of (stage, tick, forward-or-backward) slots left idle in steady state."""
-  s, m = num_stages, num_microbatches
-  if schedule == "none" or s == 1:
-    return 0.0
   if schedule == "gpipe":
-    return (s - 1) / (m + s - 1)
-  if schedule in ("1f1b", "pipedream"):
-    return 2 * (s - 1) / (m + 2 * (s - 1))
-  if schedule == "2bw":
-    return 0.0
-  raise ValueError(f"unknown schedule {schedule!r}")
+    return num_microbatches
+  if schedule == "none":
+    return 0
+  return 2 * (num_stages - 1) + 1
 
 
 @dataclasses.dataclass(frozen=True)
-class StepPlan:
-  """One step of a schedule, as the engine executes it.
+class TickKind:
+  """What a tick runs, the same on every stage (the engine specialises its loop body).
 
   Attributes:
-    schedule: the schedule's name.
-    num_stages: S.
-    num_microbatches: M.
-    fwd: int32 [ticks, S]: window index (0..2M-1) of the forward each stage
-      runs at each tick, or -1. Indices below M belong to the previous batch.
-    bwd: int32 [ticks, S]: the same for backwards.
-    backward_by_autodiff: True for gpipe, whose engine runs only the forward
-      ticks and lets `jax.grad` run the backward ticks in reverse order.
+    fwd, bwd: whether any stage runs a forward / a backward this tick.
+    fwd_version, bwd_version: the block version every forward (backward) of
+      the tick uses, or None when stages differ (the engine then selects per
+      stage). The backward's accumulator is the same as its version.
+    embed_version, head_version, head_acc, embed_grad_version, embed_acc:
+      the per-tick entries of the plan (None where no microbatch is there).
+  """
+  fwd: bool
+  bwd: bool
+  fwd_version: Optional[int]
+  bwd_version: Optional[int]
+  embed_version: Optional[int]
+  head_version: Optional[int]
+  head_acc: Optional[int]
+  embed_grad_version: Optional[int]
+  embed_acc: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+  """One step of a schedule, as the engine executes it (see the module docstring).
+
+  Attributes:
+    schedule, num_stages, num_microbatches: the schedule and its S and M.
+    window: how many microbatches the window holds (2M for 2bw, else M).
+    history: window indices below this belong to the previous batch, which
+      does not exist in the first step (M for 2bw, else 0).
+    num_versions: the length of the block-version tuple the engine receives.
+    num_shared_versions: the length of its shared-version tuple.
+    num_accumulators: the length of its accumulator tuple.
+    slots: stash slots per stage (`stash_slots`).
+    slot_base_step: the slot base advances by M each step (2bw; the flushed
+      schedules start every step from slot 0).
+    head_stash: the last stage's head cotangent must wait in the stash for
+      a later backward tick (gpipe), instead of being used in the same tick.
+    fwd, bwd, fwd_version, bwd_version, acc, fwd_slot, bwd_slot: int32 [T, S].
+    embed_version, head_version, head_acc, embed_grad_version, embed_acc: int32 [T].
   """
   schedule: str
   num_stages: int
   num_microbatches: int
+  window: int
+  history: int
+  num_versions: int
+  num_shared_versions: int
+  num_accumulators: int
+  slots: int
+  slot_base_step: bool
+  head_stash: bool
   fwd: np.ndarray
   bwd: np.ndarray
-  backward_by_autodiff: bool = False
+  fwd_version: np.ndarray
+  bwd_version: np.ndarray
+  acc: np.ndarray
+  fwd_slot: np.ndarray
+  bwd_slot: np.ndarray
+  embed_version: np.ndarray
+  head_version: np.ndarray
+  head_acc: np.ndarray
+  embed_grad_version: np.ndarray
+  embed_acc: np.ndarray
 
   @property
   def num_ticks(self) -> int:
     return self.fwd.shape[0]
+
+  def kind(self, tick: int) -> TickKind:
+    """The kind of tick `tick` (see `TickKind`)."""
+    def uniform(values, present):
+      vals = {int(v) for v, p in zip(values, present) if p}
+      return vals.pop() if len(vals) == 1 else None
+
+    def scalar(x):
+      return None if int(x) < 0 else int(x)
+
+    f_ok, b_ok = self.fwd[tick] >= 0, self.bwd[tick] >= 0
+    return TickKind(bool(f_ok.any()), bool(b_ok.any()),
+                    uniform(self.fwd_version[tick], f_ok), uniform(self.bwd_version[tick], b_ok),
+                    scalar(self.embed_version[tick]), scalar(self.head_version[tick]),
+                    scalar(self.head_acc[tick]), scalar(self.embed_grad_version[tick]),
+                    scalar(self.embed_acc[tick]))
+
+  def kinds(self) -> list[TickKind]:
+    """The distinct tick kinds of the step, in order of first appearance."""
+    out = []
+    for t in range(self.num_ticks):
+      k = self.kind(t)
+      if k not in out:
+        out.append(k)
+    return out
+
+  def kind_index(self) -> np.ndarray:
+    """int32 [T]: each tick's position in `kinds()` (the engine's branch)."""
+    kinds = self.kinds()
+    return np.array([kinds.index(self.kind(t)) for t in range(self.num_ticks)], np.int32)
+
+  def segments(self) -> list[tuple[TickKind, int, int]]:
+    """Maximal runs of consecutive ticks of one kind: (kind, first tick, end tick)."""
+    out = []
+    for t in range(self.num_ticks):
+      k = self.kind(t)
+      if out and out[-1][0] == k:
+        out[-1] = (k, out[-1][1], t + 1)
+      else:
+        out.append((k, t, t + 1))
+    return out
+
+  def tick_costs(self) -> np.ndarray:
+    """[T] duration of each tick under the cost model (FORWARD_COST, BACKWARD_COST)."""
+    return np.array([FORWARD_COST * k.fwd + BACKWARD_COST * k.bwd
+                     for k in map(self.kind, range(self.num_ticks))])
+
+
+def _per_tick(column: np.ndarray, table: np.ndarray) -> np.ndarray:
+  """table[column] where column >= 0, else -1 (an int32 [T] or [T, S] array)."""
+  return np.where(column >= 0, table[np.maximum(column, 0)], -1).astype(np.int32)
 
 
 def step_plan(schedule: str, num_stages: int, num_microbatches: int) -> StepPlan:
@@ -96,31 +220,105 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int) -> StepPlan
                      f"microbatches for {s_} stages, got {m}")
   stage = np.arange(s_)[None, :]
   if schedule == "2bw":
+    window, history, versions = 2 * m, m, 2
     tick = np.arange(m)[:, None]
     # Forward of microbatch t-s, backward of t-2(S-1)+s, both counted from
     # the start of this step's batch; negative ones are the previous batch's.
     fwd = m + tick - stage
     bwd = m + tick - 2 * (s_ - 1) + stage
-    return StepPlan(schedule, s_, m, fwd.astype(np.int32), bwd.astype(np.int32))
-  if schedule in ("1f1b", "pipedream"):
+    batch = (np.arange(window) >= m).astype(np.int32)   # 0: batch k-1, 1: batch k
+    slot = np.arange(window) - m                        # offset from this batch's first
+  elif schedule in ("1f1b", "pipedream"):
+    window, history, versions = m, 0, 1
     tick = np.arange(m + 2 * (s_ - 1))[:, None]
     f, b = tick - stage, tick - 2 * (s_ - 1) + stage
-    fwd = np.where((f >= 0) & (f < m), m + f, -1)
-    bwd = np.where((b >= 0) & (b < m), m + b, -1)
-    return StepPlan(schedule, s_, m, fwd.astype(np.int32), bwd.astype(np.int32))
-  # gpipe: M+S-1 forward ticks; autodiff then runs them backwards in reverse.
-  tick = np.arange(m + s_ - 1)[:, None]
-  f = tick - stage
-  fwd = np.where((f >= 0) & (f < m), m + f, -1)
-  none = np.full_like(fwd, -1)
-  return StepPlan(schedule, s_, m, np.concatenate([fwd, none]).astype(np.int32),
-                  np.concatenate([none, fwd[::-1]]).astype(np.int32),
-                  backward_by_autodiff=True)
+    fwd = np.where((f >= 0) & (f < m), f, -1)
+    bwd = np.where((b >= 0) & (b < m), b, -1)
+    batch = np.zeros(window, np.int32)
+    slot = np.arange(window)
+  else:  # gpipe: M+S-1 forward ticks, then the backwards in reverse order.
+    window, history, versions = m, 0, 1
+    tick = np.arange(m + s_ - 1)[:, None]
+    f = tick - stage
+    f = np.where((f >= 0) & (f < m), f, -1)
+    none = np.full_like(f, -1)
+    fwd, bwd = np.concatenate([f, none]), np.concatenate([none, f[::-1]])
+    batch = np.zeros(window, np.int32)
+    slot = np.arange(window)
+  fwd, bwd = fwd.astype(np.int32), bwd.astype(np.int32)
+  acc = _per_tick(bwd, batch)
+  head_version = _per_tick(fwd[:, -1], batch)
+  shared_versions = versions
+  if schedule == "pipedream":
+    # Shared version 0 is the embedding's (stage 0's lag), 1 the head's (none).
+    head_version = np.where(fwd[:, -1] >= 0, 1, -1).astype(np.int32)
+    shared_versions = 2
+  return StepPlan(
+      schedule=schedule, num_stages=s_, num_microbatches=m, window=window, history=history,
+      num_versions=versions, num_shared_versions=shared_versions, num_accumulators=versions,
+      slots=stash_slots(schedule, s_, m), slot_base_step=schedule == "2bw",
+      head_stash=schedule == "gpipe",
+      fwd=fwd, bwd=bwd, fwd_version=_per_tick(fwd, batch), bwd_version=_per_tick(bwd, batch),
+      acc=acc, fwd_slot=_per_tick(fwd, slot), bwd_slot=_per_tick(bwd, slot),
+      embed_version=_per_tick(fwd[:, 0], batch), head_version=head_version,
+      head_acc=_per_tick(fwd[:, -1], batch), embed_grad_version=_per_tick(bwd[:, 0], batch),
+      embed_acc=acc[:, 0].copy())
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+  """What the project needs to know of a schedule for S stages and M microbatches.
+
+  Attributes:
+    schedule, num_stages, num_microbatches: as given.
+    min_microbatches: the fewest microbatches it accepts.
+    ticks: ticks per step (0 for none).
+    step_cost: a step's duration in units of one stage's forward (1) and
+      backward (2) on one microbatch; `none` runs all S stages' work itself.
+    bubble: share of stage time idle in a steady-state step (the fill of
+      2bw's first step is not steady state).
+    versions: weight versions each stage keeps.
+    stash_slots: stash slots each stage keeps.
+    gradient_delay: the gradient delay, in words.
+    flushes: whether every step drains the pipeline.
+  """
+  schedule: str
+  num_stages: int
+  num_microbatches: int
+  min_microbatches: int
+  ticks: int
+  step_cost: float
+  bubble: float
+  versions: int
+  stash_slots: int
+  gradient_delay: str
+  flushes: bool
+
+
+def facts(schedule: str, num_stages: int, num_microbatches: int) -> Facts:
+  """The facts of a schedule, read off its plan (raises ValueError for a bad M)."""
+  s_, m = num_stages, num_microbatches
+  if schedule not in SCHEDULE_NAMES:
+    raise ValueError(f"unknown schedule '{schedule}'; choose from {', '.join(SCHEDULE_NAMES)}")
+  delay = {"none": "none (or optimizer.delay)", "gpipe": "none", "1f1b": "none",
+           "2bw": "one step", "pipedream": "S-1-s steps on stage s"}[schedule]
+  if schedule == "none":
+    cost = (FORWARD_COST + BACKWARD_COST) * m * s_
+    return Facts(schedule, s_, m, 1, 0, cost, 0.0, 1, 0, delay, True)
+  plan = step_plan(schedule, s_, m)
+  cost = float(plan.tick_costs().sum())
+  # Busy time: every microbatch's forward and backward on every stage; a 2bw
+  # step in steady state runs M of each (the previous batch's last ones
+  # included), as do the flushed schedules.
+  busy = (FORWARD_COST + BACKWARD_COST) * m * s_
+  versions = {"gpipe": 1, "1f1b": 1, "2bw": 2, "pipedream": s_}[schedule]
+  return Facts(schedule, s_, m, min_microbatches(schedule, s_), plan.num_ticks, cost,
+               1.0 - busy / (cost * s_), versions, plan.slots, delay, schedule != "2bw")
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-  """What one stage does in one tick: global microbatch ids and weight versions.
+  """What one stage does in one tick: global microbatch ids, versions, stash slots.
 
   A weight version is the number of updates the weights have seen (v[k] ran
   batch k in 2bw; with pipedream stage s runs batch k on v[k - (S-1-s)]).
@@ -129,42 +327,47 @@ class Cell:
   bwd: Optional[int] = None
   fwd_version: Optional[int] = None
   bwd_version: Optional[int] = None
+  fwd_slot: Optional[int] = None
+  bwd_slot: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Timetable:
-  """A schedule unrolled over `num_steps` steps; `cells[tick][stage]`."""
+  """A schedule unrolled over `num_steps` steps; `cells[tick][stage]`.
+
+  `tick_costs[t]` is tick t's duration under the cost model (1 for a
+  forward, 2 for a backward, 3 for a tick with both).
+  """
   schedule: str
   num_stages: int
   num_microbatches: int
   num_steps: int
   ticks_per_step: int
   cells: tuple[tuple[Cell, ...], ...]
+  tick_costs: tuple[float, ...]
 
   @property
   def num_ticks(self) -> int:
     return len(self.cells)
 
-  def busy_slots(self, step: int) -> tuple[int, int]:
-    """(busy, total) forward-or-backward slots of one step, over all stages."""
-    rows = self.cells[step * self.ticks_per_step:(step + 1) * self.ticks_per_step]
-    busy = sum((c.fwd is not None) + (c.bwd is not None) for row in rows for c in row)
-    total = 2 * len(rows) * self.num_stages
-    if self.schedule == "gpipe":
-      total //= 2  # a gpipe tick is a forward tick or a backward tick, not both
-    return busy, total
-
   def idle_fraction(self, step: int) -> float:
-    """Share of one step's slots left idle (the bubble, for step >= 1)."""
-    busy, total = self.busy_slots(step)
-    return 1.0 - busy / total
+    """Share of one step's stage time left idle (the bubble, for a steady step).
+
+    Counted from the cells: a stage is busy FORWARD_COST for each forward
+    and BACKWARD_COST for each backward it runs, out of the step's duration.
+    """
+    lo, hi = step * self.ticks_per_step, (step + 1) * self.ticks_per_step
+    busy = sum(FORWARD_COST * (c.fwd is not None) + BACKWARD_COST * (c.bwd is not None)
+               for row in self.cells[lo:hi] for c in row)
+    return 1.0 - busy / (sum(self.tick_costs[lo:hi]) * self.num_stages)
 
   def ascii(self) -> str:
     """Renders the timetable: a row per stage, a column per tick.
 
     A cell reads `F3/B1`: forward of microbatch 3 and backward of microbatch 1
-    (global numbers; batch = microbatch // M); a trailing `'v` lists weight
-    versions when more than one is alive; `.` is an idle slot.
+    (global numbers; batch = microbatch // M); a trailing `'v` gives the
+    weight version when more than one is alive; `.` is an idle slot, and a
+    tick in which no stage runs a forward (or a backward) drops that half.
     """
     many_versions = self.schedule in ("2bw", "pipedream")
 
@@ -174,14 +377,14 @@ class Timetable:
       return f"{kind}{mb}" + (f"v{ver}" if many_versions else "")
 
     cols = []
-    for tick, row in enumerate(self.cells):
+    for row in self.cells:
+      any_f = any(c.fwd is not None for c in row)
+      any_b = any(c.bwd is not None for c in row)
       col = []
       for c in row:
-        if self.schedule == "gpipe":
-          col.append(part("F", c.fwd, c.fwd_version) if c.bwd is None and c.fwd is not None
-                     else part("B", c.bwd, c.bwd_version))
-        else:
-          col.append(part("F", c.fwd, c.fwd_version) + "/" + part("B", c.bwd, c.bwd_version))
+        parts = ([part("F", c.fwd, c.fwd_version)] if any_f or not any_b else []) + (
+            [part("B", c.bwd, c.bwd_version)] if any_b else [])
+        col.append("/".join(parts))
       cols.append(col)
     width = max(len(x) for col in cols for x in col)
     width = max(width, len(str(self.num_ticks - 1)))
@@ -192,37 +395,54 @@ class Timetable:
     for s in range(self.num_stages):
       lines.append(f"stage {s:<2}" + " ".join(f"{cols[t][s]:>{width}}" for t in range(self.num_ticks)))
     for k in range(self.num_steps):
-      lines.append(f"step {k}: idle {self.idle_fraction(k):.1%} of slots")
+      lines.append(f"step {k}: idle {self.idle_fraction(k):.1%} of stage time")
     return "\n".join(lines)
 
 
 def timetable(schedule: str, num_stages: int, num_microbatches: int,
               num_steps: int = 2) -> Timetable:
-  """Unrolls a schedule's step plan over `num_steps` steps (2bw: step 0 fills)."""
+  """Unrolls a schedule's step plan over `num_steps` steps (2bw: step 0 fills).
+
+  Global microbatch numbers, versions and slots come from the plan's arrays:
+  window index w of step k is microbatch (k-1)*M + w for 2bw (k*M + w for
+  the flushed schedules), plan version i of a 2bw step k is v[k-1+i], and a
+  stash slot is (base + offset) mod slots with base k*M when the plan's base
+  advances. Pipedream's plan has one block version, the one the engine is
+  given: stage s's v[max(0, k-(S-1-s))].
+  """
   s_, m = num_stages, num_microbatches
   if schedule == "none":
     cells = tuple((Cell(k * m + j, k * m + j, k, k),)
                   for k in range(num_steps) for j in range(m))
-    return Timetable(schedule, 1, m, num_steps, m, cells)
+    cost = FORWARD_COST + BACKWARD_COST
+    return Timetable(schedule, 1, m, num_steps, m, cells, (cost,) * len(cells))
   plan = step_plan(schedule, s_, m)
+  first = -m if plan.history else 0
 
-  def version(k: int, stage: int) -> int:
+  def version(k: int, stage: int, plan_version: int) -> int:
     if schedule == "pipedream":
       return max(0, k - (s_ - 1 - stage))
+    if schedule == "2bw":
+      return k - 1 + plan_version
     return k
 
   rows = []
   for k in range(num_steps):
+    base = k * m if plan.slot_base_step else 0
     for t in range(plan.num_ticks):
       row = []
       for s in range(s_):
         f, b = int(plan.fwd[t, s]), int(plan.bwd[t, s])
-        # Window index w of step k is global microbatch (k-1)*M + w; indices
-        # of a batch before the first do not exist (2bw's fill).
-        fg = (k - 1) * m + f if f >= 0 and (k - 1) * m + f >= 0 else None
-        bg = (k - 1) * m + b if b >= 0 and (k - 1) * m + b >= 0 else None
-        row.append(Cell(fg, bg,
-                        None if fg is None else version(fg // m, s),
-                        None if bg is None else version(bg // m, s)))
+        fg = k * m + first + f if f >= 0 else None
+        bg = k * m + first + b if b >= 0 else None
+        fg = fg if fg is not None and fg >= 0 else None   # 2bw's fill: no batch -1
+        bg = bg if bg is not None and bg >= 0 else None
+        row.append(Cell(
+            fg, bg,
+            None if fg is None else version(k, s, int(plan.fwd_version[t, s])),
+            None if bg is None else version(k, s, int(plan.bwd_version[t, s])),
+            None if fg is None else (base + int(plan.fwd_slot[t, s])) % plan.slots,
+            None if bg is None else (base + int(plan.bwd_slot[t, s])) % plan.slots))
       rows.append(tuple(row))
-  return Timetable(schedule, s_, m, num_steps, plan.num_ticks, tuple(rows))
+  costs = tuple(float(c) for c in plan.tick_costs()) * num_steps
+  return Timetable(schedule, s_, m, num_steps, plan.num_ticks, tuple(rows), costs)
