@@ -206,6 +206,41 @@ def test_bench_tiny_run_times_every_schedule():
   assert "PASS" in bench.target_table(result)
 
 
+def test_bench_two_core_times_pinned_processes():
+  """Tiny model, 3 rounds: the reference, the ceiling and 2bw each in a pinned process."""
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < 2:
+    pytest.skip("the two-core measurement needs two cores")
+  bench = _load("bench_pipeline")
+  shape = bench.ModelShape(dim=32, layers=2, heads=2, kv_heads=1, seq_len=16, micro_rows=2)
+  rows = bench.two_core(shape, [257], 2, pairs=3, warmup=1, cores=(str(cores[0]), str(cores[1])),
+                        schedules=("2bw",), log=lambda _: None)
+  assert [r["schedule"] for r in rows] == ["ceiling", "2bw"]
+  for r in rows:
+    assert len(r["times"]) == len(r["ref"]) == 3 and min(r["times"]) > 0
+    assert r["low"] <= r["q1"] <= r["speedup"] <= r["q3"] <= r["high"]
+    assert r["bound"] == 2.0  # 2bw has no bubble; the ceiling is the ideal
+  two = rows[1]
+  ratios = sorted(a / b for a, b in zip(two["ref"], two["times"]))
+  assert two["speedup"] == pytest.approx(ratios[1])
+  assert two["target"] == 1.8
+  table = bench.two_core_table(rows)
+  assert re.search(r"^\| 257 \| 2bw \| .*\| >= 1\.8x (PASS|MISS) \|", table, re.M), table
+  assert "ceiling (2 data replicas, no pipeline)" in table
+
+
+@pytest.mark.parametrize("args", [
+    ("--two-core", "--cores", "0"),
+    ("--two-core", "--cores", "0,0"),
+    ("--two-core", "--pairs", "2"),
+    ("--two-core", "--sweep"),
+    ("--two-core", "--vocab", "100"),
+    ("--two-core", "--layers", "3"),
+])
+def test_bench_two_core_bad_input_is_one_line_and_status_2(args):
+  _one_line_error(_tool("bench_pipeline", *args))
+
+
 @pytest.mark.parametrize("args", [
     ("--stages", "4", "--microbatches", "4"),      # 2bw needs M >= 6
     ("--stages", "3", "--layers", "8"),            # layers not divisible by stages

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Throughput benchmark of the pipeline schedules on an emulated CPU mesh.
+"""Throughput benchmark of the pipeline schedules: an emulated CPU mesh, or two real cores.
 
   python tools/bench_pipeline.py                       # S=4, M=8: the targets' run
   python tools/bench_pipeline.py --repeats 7 --out-md /tmp/bench.md
-  python tools/bench_pipeline.py --sweep --out-md /tmp/sweep.md --out-png docs/img/bench_sweep.png
+  python tools/bench_pipeline.py --sweep --out-md /tmp/sweep.md --out-png /tmp/bench_sweep.png
+  python tools/bench_pipeline.py --two-core --remat dots --out-md /tmp/two_core.md
 
 In one process, for S stages and M microbatches (a model split into S
 stages, one emulated device each; the one-device reference runs the same
@@ -28,6 +29,15 @@ time and bubble per schedule into --out-png.
 The emulated devices are threads of one process that share this machine's
 cores, so the ratios measure how much work each schedule does per step, not
 how a real S-device pipeline would scale: see docs/benchmark.md.
+
+--two-core measures real parallelism instead: a process per configuration,
+pinned with taskset and with one XLA thread per device: the one-device
+reference on one core, each schedule with S=2 stages on two cores, and a
+ceiling (two data replicas, each doing the reference's work, on the two
+cores); --pairs rounds of one step of each, the speed-up of a round being the
+reference's step time over the schedule's. It prints the median speed-up,
+its quartiles and extremes, the bubble bound 2(1 - bubble) and the targets,
+for each vocabulary of --vocab (default bytes and GPT-2's).
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -111,18 +121,24 @@ class ModelShape:
   kv_heads: int = 2
   seq_len: int = 64
   micro_rows: int = 2   # sequences per microbatch; global batch = M * micro_rows
+  vocab: int = 257      # 257: bytes; 50257: GPT-2's
+  remat: str = "none"   # model.remat
+  stash: str = "residuals"  # pipeline.stash
 
 
-def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int) -> Any:
-  """A validated `jaxpipe.config.Config` for one benchmark point."""
+def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int,
+                data: int = 1) -> Any:
+  """A validated `jaxpipe.config.Config` for one benchmark point (D=`data` replicas)."""
   from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
   tree = {
       "run": {"dir": "runs/bench", "steps": 1000, "progress": False},
-      "data": {"batch_size": num_microbatches * shape.micro_rows, "seq_len": shape.seq_len},
-      "model": {"vocab_size": 257, "dim": shape.dim, "n_layers": shape.layers,
-                "n_heads": shape.heads, "n_kv_heads": shape.kv_heads},
+      "data": {"batch_size": num_microbatches * shape.micro_rows * data,
+               "seq_len": shape.seq_len},
+      "model": {"vocab_size": shape.vocab, "dim": shape.dim, "n_layers": shape.layers,
+                "n_heads": shape.heads, "n_kv_heads": shape.kv_heads, "remat": shape.remat},
+      "mesh": {"data": data},
       "pipeline": {"schedule": schedule, "stages": 1 if schedule == "none" else num_stages,
-                   "microbatches": num_microbatches},
+                   "microbatches": num_microbatches, "stash": shape.stash},
       "optimizer": {"name": "adamw", "lr": 1e-3, "schedule": "constant"},
   }
   cfg = config_lib.from_dict(tree)
@@ -148,24 +164,25 @@ class Runner:
   """One schedule, compiled, with its state and a fixed random batch."""
 
   def __init__(self, shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int,
-               *, seed: int = 0, compile_now: bool = True):
+               *, seed: int = 0, compile_now: bool = True, data: int = 1):
     import jax  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
 
     self.name = schedule
-    cfg = make_config(shape, schedule, num_stages, num_microbatches)  # validates the shape
+    cfg = make_config(shape, schedule, num_stages, num_microbatches, data)  # validates the shape
     fns, optimizer, params = _model(shape, seed)
-    mesh = make_mesh(cfg.pipeline.stages, 1)
-    self.schedule = make_schedule(schedule, fns, optimizer, mesh, num_microbatches)
-    batch_shape = (num_microbatches, shape.micro_rows, shape.seq_len)
+    mesh = make_mesh(cfg.pipeline.stages, data)
+    self.schedule = make_schedule(schedule, fns, optimizer, mesh, num_microbatches,
+                                  stash=shape.stash)
+    batch_shape = (num_microbatches, shape.micro_rows * data, shape.seq_len)
     # `init` copies the weights into the schedule's layout; the step donates
     # that copy, never the shared params.
     self.state = self.schedule.init(params, batch_shape)
     rng = np.random.default_rng(seed)
     sharding = self.schedule.batch_sharding()
     self.tokens, self.targets = (
-        jax.device_put(rng.integers(0, 256, batch_shape, dtype=np.int32), sharding)
+        jax.device_put(rng.integers(0, shape.vocab - 1, batch_shape, dtype=np.int32), sharding)
         for _ in range(2))
     self.lower_s = self.compile_s = self.compile_cpu_s = 0.0
     self.memory = None
@@ -263,6 +280,142 @@ def compile_vs_m(shape: ModelShape, num_stages: int, ms: Sequence[int],
                 "compile_cpu_s": r.compile_cpu_s, "memory": memory_row(r.memory)})
     del r
   return out
+
+
+# --- real parallelism: a process per configuration, pinned to cores -----------
+
+# Done-when targets of the two-core benchmark: {(schedule, vocab): speed-up}.
+TWO_CORE_TARGETS = {("2bw", 257): 1.8, ("2bw", 50257): 1.7, ("1f1b", 257): 1.6,
+                    ("1f1b", 50257): 1.5, ("gpipe", 257): 1.6, ("gpipe", 50257): 1.5}
+
+
+def worker(spec: dict[str, Any]) -> int:
+  """Runs in a pinned child process: builds one schedule, then times a step per stdin line.
+
+  The child's XLA has one thread per device (`--xla_cpu_multi_thread_eigen=false`)
+  and `stages x data` emulated devices, so with `taskset` over that many cores
+  each device gets a core of its own.
+  """
+  devices = spec["stages"] * spec["data"]
+  os.environ["XLA_FLAGS"] = (f"--xla_cpu_multi_thread_eigen=false {_COUNT_FLAG}={devices}")
+  shape = ModelShape(**spec["shape"])
+  r = Runner(shape, spec["schedule"], spec["stages"], spec["microbatches"], data=spec["data"])
+  print("ready", flush=True)
+  for _ in sys.stdin:
+    print(f"{r.step()[0]:.6f}", flush=True)
+  return 0
+
+
+class _Pinned:
+  """A worker process pinned to `cores`; `step()` runs one step there and returns its time."""
+
+  def __init__(self, label: str, spec: dict[str, Any], cores: str):
+    import subprocess  # pylint: disable=g-import-not-at-top
+    self.label, self.cores = label, cores
+    cmd = ["taskset", "-c", cores, sys.executable, os.path.abspath(__file__),
+           "--worker", json.dumps(spec)]
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+  def ready(self) -> None:
+    line = self.proc.stdout.readline().strip()
+    if line != "ready":
+      raise RuntimeError(f"{self.label}: worker failed to start (exit {self.proc.wait()})")
+
+  def step(self) -> float:
+    self.proc.stdin.write("step\n")
+    self.proc.stdin.flush()
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"{self.label}: worker died (exit {self.proc.wait()})")
+    return float(line)
+
+  def close(self) -> None:
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *, pairs: int,
+             warmup: int, cores: tuple[str, str], schedules: Sequence[str] = SCHEDULES[1:],
+             log=print) -> list[dict[str, Any]]:
+  """Speed-up of S=2 pipelines on two cores over one device on one core.
+
+  For each vocabulary it starts, each in its own process: the one-device
+  reference (`none`, the global batch as M microbatches of gradient
+  accumulation) pinned to the first core; every schedule with 2 stages pinned
+  to both cores; and `none` with 2 data replicas on both cores, each replica
+  doing the reference's work (the platform's ceiling: two devices that never
+  wait for each other). Then, `pairs` times, one step of each in turn (the
+  order rotated), so that load from elsewhere hits all alike; the speed-up of
+  a round is the reference's step time over the schedule's. Returns one row
+  per (vocabulary, configuration) with the median speed-up and its spread.
+  """
+  from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
+  rows = []
+  both = ",".join(cores)
+  for vocab in vocabs:
+    sh = dataclasses.replace(shape, vocab=vocab)
+    base = {"shape": dataclasses.asdict(sh), "microbatches": num_microbatches}
+    workers = [_Pinned("none", dict(base, schedule="none", stages=1, data=1), cores[0]),
+               _Pinned("ceiling", dict(base, schedule="none", stages=1, data=2), both)]
+    workers += [_Pinned(n, dict(base, schedule=n, stages=2, data=1), both) for n in schedules]
+    try:
+      for w in workers:
+        w.ready()
+      # The compilations just before raise the 1-minute load average; let it
+      # decay (up to 90 s) so that the load recorded is the timing's own.
+      deadline = time.time() + 90
+      while os.getloadavg()[0] > 2.5 and time.time() < deadline:
+        time.sleep(5)
+      timing_load = load()
+      log(f"  vocab {vocab}: {len(workers)} workers compiled; timing {pairs} rounds "
+          f"(load {timing_load})")
+      times: dict[str, list[float]] = {w.label: [] for w in workers}
+      for i in range(warmup + pairs):
+        order = workers[i % len(workers):] + workers[:i % len(workers)]
+        for w in order:
+          t = w.step()
+          if i >= warmup:
+            times[w.label].append(t)
+    finally:
+      for w in workers:
+        w.close()
+    ref = times["none"]
+    for w in workers[1:]:
+      ratio = sorted(a / b for a, b in zip(ref, times[w.label]))
+      name = w.label
+      bub = 0.0 if name == "ceiling" else facts(name, 2, num_microbatches).bubble
+      # The ceiling replica does the reference's work, so its ratio is the
+      # parallel efficiency; 2x that is the most two devices gave here.
+      scale = 2.0 if name == "ceiling" else 1.0
+      rows.append({
+          "vocab": vocab, "schedule": name, "ref_s": statistics.median(ref),
+          "step_s": statistics.median(times[name]),
+          "speedup": scale * statistics.median(ratio), "low": scale * ratio[0],
+          "high": scale * ratio[-1], "q1": scale * ratio[len(ratio) // 4],
+          "q3": scale * ratio[(3 * len(ratio)) // 4], "bound": 2.0 * (1.0 - bub),
+          "target": TWO_CORE_TARGETS.get((name, vocab)), "times": times[name], "ref": ref,
+          "load_before": timing_load, "load_after": load()})
+  return rows
+
+
+def two_core_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: speed-up of each schedule on two cores over one device on one core."""
+  out = ["| vocabulary | schedule | one device s/step | two cores s/step | speed-up (median) "
+         "| quartiles | min-max | bubble bound | share of 2.0x | target | load (1 min) |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+  for r in rows:
+    name = r["schedule"]
+    label = "ceiling (2 data replicas, no pipeline)" if name == "ceiling" else name
+    if r["target"] is None:
+      target = "-"
+    else:
+      status = "PASS" if r["speedup"] >= r["target"] else "MISS"
+      target = f">= {r['target']:.1f}x {status}"
+    out.append(f"| {r['vocab']} | {label} | {r['ref_s']:.3f} | {r['step_s']:.3f} | "
+               f"{r['speedup']:.2f}x | {r['q1']:.2f}-{r['q3']:.2f} | {r['low']:.2f}-{r['high']:.2f} "
+               f"| {r['bound']:.2f}x | {r['speedup'] / 2:.0%} | {target} | "
+               f"{r['load_before'].split('/')[0]}-{r['load_after'].split('/')[0]} |")
+  return "\n".join(out)
 
 
 def _mib(n: int) -> str:
@@ -444,8 +597,8 @@ def draw_sweep(rows: list[dict[str, Any]], out: str, title: str) -> str:
   return out
 
 
-def machine() -> str:
-  """One line on the host: CPU, cores, load average, JAX version."""
+def machine(emulated: bool = True) -> str:
+  """One line on the host: CPU, cores, JAX version (and this process's emulated devices)."""
   import jax  # pylint: disable=g-import-not-at-top
   cpu = platform.processor() or platform.machine()
   try:
@@ -454,8 +607,10 @@ def machine() -> str:
     cpu = names[0] if names else cpu
   except OSError:
     pass
-  return (f"{cpu}; {os.cpu_count()} cores; jax {jax.__version__}; "
-          f"{jax.device_count()} emulated {jax.default_backend()} devices")
+  line = f"{cpu}; {os.cpu_count()} cores; jax {jax.__version__}"
+  if emulated:
+    line += f"; {jax.device_count()} emulated {jax.default_backend()} devices"
+  return line
 
 
 def load() -> str:
@@ -482,7 +637,7 @@ def _int_list(text: str) -> list[int]:
 
 def _check(args, shape: ModelShape) -> None:
   """Raises ValueError (one line) for settings the engine would refuse."""
-  stages = SWEEP_STAGES if args.sweep else (args.stages,)
+  stages = SWEEP_STAGES if args.sweep else (2,) if args.two_core else (args.stages,)
   for s_ in stages:
     if s_ < 1:
       raise ValueError(f"--stages must be >= 1, got {s_}")
@@ -490,6 +645,28 @@ def _check(args, shape: ModelShape) -> None:
       raise ValueError(f"--layers={shape.layers} is not divisible by {s_} stages")
   if args.microbatches < 1:
     raise ValueError(f"--microbatches must be >= 1, got {args.microbatches}")
+  if args.two_core:
+    cores = args.cores.split(",")
+    if len(cores) != 2 or not all(c.strip().isdigit() for c in cores) or cores[0] == cores[1]:
+      raise ValueError(f"--cores must name two different cores, e.g. 0,1; got {args.cores!r}")
+    if not {int(c) for c in cores} <= os.sched_getaffinity(0):
+      raise ValueError(f"--cores {args.cores}: this process may only run on cores "
+                       f"{sorted(os.sched_getaffinity(0))}")
+    if args.sweep:
+      raise ValueError("--two-core and --sweep are separate measurements; pick one")
+    if shape.layers % 2:
+      raise ValueError(f"--layers={shape.layers} is not divisible by the 2 stages of --two-core")
+    if args.pairs < 3:
+      raise ValueError(f"--pairs must be >= 3 for a median and a spread, got {args.pairs}")
+    if min(args.vocab) < 257:
+      raise ValueError(f"--vocab must be >= 257 (the byte vocabulary), got {args.vocab}")
+    import shutil  # pylint: disable=g-import-not-at-top
+    if shutil.which("taskset") is None:
+      raise ValueError("--two-core pins processes with taskset, which is not installed "
+                       "(util-linux)")
+    if args.microbatches < 2:
+      raise ValueError(f"2bw with 2 stages needs --microbatches >= 2, got {args.microbatches}")
+    return
   if args.repeats < 1 or args.warmup < 1:
     raise ValueError("--repeats and --warmup must be >= 1 (the first run of a program "
                      "pays for allocations)")
@@ -505,6 +682,48 @@ def _check(args, shape: ModelShape) -> None:
   if shape.dim % shape.heads or (shape.dim // shape.heads) % 2 or shape.heads % shape.kv_heads:
     raise ValueError(f"--dim={shape.dim}, --heads={shape.heads}, --kv-heads={shape.kv_heads}: "
                      "dim must split into heads of even size, heads into kv groups")
+
+
+def _write(text: str, path: str, log) -> None:
+  if path:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+      f.write(text)
+    log(f"wrote {path}")
+
+
+def _main_two_core(args, shape: ModelShape) -> int:
+  """The two-core measurement: prints (and writes) its table with the machine and load."""
+  import jax  # pylint: disable=g-import-not-at-top
+  log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  started, load_before = time.time(), load()
+  m = args.microbatches
+  header = [f"machine: {machine(emulated=False)}",
+            f"model: {shape.layers} blocks, width {shape.dim}, {shape.heads} heads "
+            f"({shape.kv_heads} kv), seq {shape.seq_len}; M={m} microbatches of "
+            f"{shape.micro_rows} sequences; remat {shape.remat}; pipeline.stash {shape.stash}; "
+            "adamw; float32",
+            f"one device pinned to core {args.cores.split(',')[0]}; 2 stages (or 2 data "
+            f"replicas) pinned to cores {args.cores}; one XLA thread per device; "
+            f"{args.pairs} timed rounds after {args.warmup} warm-up; jax {jax.__version__}",
+            f"load average (1/5/15 min) at start: {load_before}"]
+  for line in header:
+    log(line)
+  try:
+    rows = two_core(shape, args.vocab, m, pairs=args.pairs, warmup=args.warmup,
+                    cores=tuple(c.strip() for c in args.cores.split(",")), log=log)
+  except RuntimeError as e:
+    print(f"bench_pipeline: {e}", file=sys.stderr)
+    return 1
+  footer = [f"load average at end: {load()}; wall time {time.time() - started:.0f} s"]
+  text = ("\n".join(header) + "\n\n### Two cores against one (S=2, M=" + str(m) + ")\n\n"
+          + two_core_table(rows) + "\n\n" + "\n".join(footer) + "\n")
+  print(text)
+  _write(text, args.out_md, log)
+  if args.out_json:
+    _write(json.dumps({"header": header, "footer": footer, "rows": rows}, indent=1),
+           args.out_json, log)
+  return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -532,14 +751,32 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--out-md", default="", help="write the markdown report here")
   parser.add_argument("--out-png", default="", help="sweep: write the plot here")
   parser.add_argument("--out-json", default="", help="write every measurement (raw) here")
+  parser.add_argument("--remat", choices=("none", "dots", "full"), default=d.remat,
+                      help=f"model.remat (default {d.remat})")
+  parser.add_argument("--stash", choices=("inputs", "residuals"), default=d.stash,
+                      help=f"pipeline.stash (default {d.stash})")
+  parser.add_argument("--two-core", action="store_true",
+                      help="real parallelism: S=2 stages on two cores against one device on one "
+                           "core, a pinned process each (see docs/benchmark.md)")
+  parser.add_argument("--vocab", type=_int_list, default=[257, 50257],
+                      help="two-core: vocabularies to measure (default 257,50257)")
+  parser.add_argument("--pairs", type=int, default=12,
+                      help="two-core: timed rounds, one step of every process each (default 12)")
+  parser.add_argument("--cores", default="0,1",
+                      help="two-core: the two CPU cores to pin to (default 0,1)")
+  parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.worker:
+    return worker(json.loads(args.worker))
   shape = ModelShape(args.dim, args.layers, args.heads, args.kv_heads, args.seq_len,
-                     args.micro_rows)
+                     args.micro_rows, remat=args.remat, stash=args.stash)
   try:
     _check(args, shape)
   except ValueError as e:
     print(f"bench_pipeline: {e}", file=sys.stderr)
     return 2
+  if args.two_core:
+    return _main_two_core(args, shape)
   if args.out_png and not args.sweep:
     print("bench_pipeline: --out-png draws the sweep; add --sweep", file=sys.stderr)
     return 2

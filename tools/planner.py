@@ -368,10 +368,18 @@ def human(n: Optional[float]) -> str:
   """Bytes in B/KiB/MiB/GiB with three significant digits."""
   if n is None:
     return "-"
-  for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+  for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
     if n >= size:
       return f"{n / size:.3g} {unit}"
   return f"{int(n)} B"
+
+
+def flops(n: float) -> str:
+  """FLOPs in G/T/P with three significant digits."""
+  for unit, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+    if n >= size:
+      return f"{n / size:.3g}{unit}"
+  return f"{n:.3g}"
 
 
 def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[str, int]:
@@ -445,9 +453,9 @@ def format_plan(p: Plan, device_gib: float) -> str:
   if p.work:
     name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
     lines += ["", f"work per tick (one microbatch's forward and backward), {name}, "
-              "GFLOP per stage:"]
+              "FLOPs per stage:"]
     for stash, w in p.work.items():
-      lines.append(f"  stash {stash:9s} " + "  ".join(f"s{i}={x / 1e9:.2f}" for i, x in
+      lines.append(f"  stash {stash:9s} " + "  ".join(f"s{i}={flops(x)}" for i, x in
                                                     enumerate(w))
                    + f"   slowest / mean = {p.balance(stash):.3f}")
   lines += [
