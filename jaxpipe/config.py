@@ -85,9 +85,9 @@ class ModelConfig:
 class PipelineConfig:
   schedule: str = "none"         # none | gpipe | 1f1b | 2bw | pipedream
   stages: int = 1                # S: devices along the `stage` mesh axis
-  # M: microbatches per step. GPipe idles (S-1)/(M+S-1) of a step, 1F1B
-  # 2(S-1)/(M+2(S-1)); 2bw idles only in the very first step and needs
-  # M >= 2(S-1). With `none` this is plain gradient accumulation.
+  # M: microbatches per step. GPipe, 1F1B and pipedream idle (S-1)/(M+S-1)
+  # of a step; 2bw idles only in the very first step and needs M >= 2(S-1).
+  # With `none` this is plain gradient accumulation.
   microbatches: int = 1
   # What a forward keeps for its backward: `inputs` (the stage input; the
   # backward recomputes the stage's forward: 4 units of work per microbatch

@@ -35,3 +35,18 @@ def test_relative_links_point_at_files():
       if not os.path.exists(os.path.join(os.path.dirname(path), target)):
         broken.append(f"{os.path.relpath(path, ROOT)} -> {target}")
   assert not broken, broken
+
+
+def test_every_shipped_config_chooses_its_stash_and_says_what_it_costs():
+  """Each configs/*.yaml sets pipeline.stash explicitly, with a comment on its cost."""
+  import yaml  # pylint: disable=g-import-not-at-top
+  paths = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+  assert paths
+  for path in paths:
+    text = open(path).read()
+    pipeline = (yaml.safe_load(text) or {}).get("pipeline", {})
+    assert pipeline.get("stash") in ("inputs", "residuals"), path
+    lines = text.splitlines()
+    at = next(i for i, l in enumerate(lines) if l.strip().startswith("stash:"))
+    said = "\n".join(lines[max(0, at - 4):at + 1])
+    assert "#" in said, f"{path}: no comment beside pipeline.stash"
