@@ -189,7 +189,7 @@ def test_pipedream_reference_is_discriminating(wrong):
   """Near misses of the pipedream model miss by far more than the tolerance.
 
   So the match above pins down the stage-dependent delays, including which
-  stage's version the replicated embedding and head take.
+  stage's version the vocabulary-split embedding and head take.
   """
   s, d, m = PIPEDREAM_SHAPES[0]
   got = run("pipedream", s, d, m, "adamw")
