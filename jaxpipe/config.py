@@ -273,6 +273,11 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
         tree = yaml.safe_load(f)
     except FileNotFoundError:
       raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+      raise ConfigError(f"--config {path} is a directory; give a YAML file "
+                        "(see configs/)") from None
+    except OSError as e:
+      raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
       mark = getattr(e, "problem_mark", None)
       where = f" line {mark.line + 1}" if mark is not None else ""
@@ -370,6 +375,8 @@ def validate(cfg: Config) -> None:
   _check(0.0 <= o.decay_fraction <= 1.0, f"optimizer.decay_fraction must be in [0, 1], got {o.decay_fraction}")
   _check(o.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
   _check(o.clip_norm >= 0, f"optimizer.clip_norm must be >= 0, got {o.clip_norm}")
+  # A negative decoupled decay grows the weights every step instead of shrinking them.
+  _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
   _check(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
   _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
   _check(cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}")

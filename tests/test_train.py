@@ -140,6 +140,7 @@ BAD = [
     (["data.path=/nonexistent/tokens"], "/nonexistent/tokens"),
     (["pipeline.schedule=gpipe", "pipeline.stages=3"], "pipeline.stages=3"),
     (["pipeline.microbatches=3"], "pipeline.microbatches=3"),
+    (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay"),
     (["mesh.data=3"], "mesh.data=3"),
     (["pipeline.schedule=2bw", "pipeline.stages=4", "pipeline.microbatches=4",
       "data.batch_size=16"], "2*(stages-1) = 6"),
@@ -156,6 +157,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path, cache, overrides, named):
   lines = p.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
   assert named in lines[0]
+  assert not run_dir.exists()
+
+
+def test_config_that_is_a_directory_exits_2_with_one_line(tmp_path, cache):
+  run_dir = tmp_path / "run"
+  p = _runs.run(str(run_dir), cache_dir=cache, config=str(tmp_path))
+  assert p.returncode == 2, p.stderr
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and "is a directory" in lines[0], p.stderr
   assert not run_dir.exists()
 
 
