@@ -460,7 +460,7 @@ def format_plan(p: Plan, device_gib: float) -> str:
                    + f"   slowest / mean = {p.balance(stash):.3f}")
   lines += [
       "",
-      "* the config's schedule and stash choice (ins = pipeline.stash=inputs, res = residuals).",
+      "* the config's schedule and stash choice (inp = pipeline.stash=inputs, res = residuals).",
       "`none` is the whole model on one device of the data axis, for comparison.",
       "weights, optimizer, in flight: the schedule's state as placed on one device (the",
       "checkpointed pytrees). Inside the step: float32 gradient sums; the flushed schedules'",
@@ -501,6 +501,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 0 < args.max_bubble < 1:
       raise ConfigError(f"--max-bubble must be in (0, 1), got {args.max_bubble:g}")
     cfg = config_lib.load(args.config, args.overrides)
+    # Planning needs shapes and shardings, not accelerators: plan on the host
+    # (unless told otherwise), whose devices can be emulated in any number.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # The shardings need the mesh's devices: emulate them before JAX starts.
     launch.prepare_devices(cfg)
     result = plan(cfg, device_gib=args.device_gib, max_bubble=args.max_bubble)
