@@ -215,11 +215,11 @@ def test_bench_two_core_times_pinned_processes():
   shape = bench.ModelShape(dim=32, layers=2, heads=2, kv_heads=1, seq_len=16, micro_rows=2)
   rows = bench.two_core(shape, [257], 2, pairs=3, warmup=1, cores=(str(cores[0]), str(cores[1])),
                         schedules=("2bw",), log=lambda _: None)
-  assert [r["schedule"] for r in rows] == ["ceiling", "2bw"]
+  assert [r["schedule"] for r in rows] == ["ceiling", "2bw", "hardware"]
   for r in rows:
     assert len(r["times"]) == len(r["ref"]) == 3 and min(r["times"]) > 0
     assert r["low"] <= r["q1"] <= r["speedup"] <= r["q3"] <= r["high"]
-    assert r["bound"] == 2.0  # 2bw has no bubble; the ceiling is the ideal
+    assert r["bound"] == 2.0  # 2bw has no bubble; the ceiling and the hardware, the ideal
   two = rows[1]
   ratios = sorted(a / b for a, b in zip(two["ref"], two["times"]))
   assert two["speedup"] == pytest.approx(ratios[1])
@@ -227,6 +227,11 @@ def test_bench_two_core_times_pinned_processes():
   table = bench.two_core_table(rows)
   assert re.search(r"^\| 257 \| 2bw \| .*\| >= 1\.8x (PASS|MISS) \|", table, re.M), table
   assert "ceiling (2 data replicas, no pipeline)" in table
+  assert "hardware (2 one-device processes at once)" in table
+  # The hardware row: twice the reference alone over the slower of two at once.
+  hw = rows[2]
+  assert hw["speedup"] == pytest.approx(
+      2 * sorted(a / b for a, b in zip(hw["ref"], hw["times"]))[1])
 
 
 @pytest.mark.parametrize("args", [

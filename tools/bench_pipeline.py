@@ -339,6 +339,14 @@ class _Pinned:
     self.proc.wait()
 
 
+def _step_together(a: _Pinned, b: _Pinned) -> float:
+  """Steps two workers at the same time; returns the slower one's step time."""
+  for w in (a, b):
+    w.proc.stdin.write("step\n")
+    w.proc.stdin.flush()
+  return max(float(w.proc.stdout.readline()) for w in (a, b))
+
+
 def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *, pairs: int,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = SCHEDULES[1:],
              log=print) -> list[dict[str, Any]]:
@@ -351,7 +359,9 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   doing the reference's work (the platform's ceiling: two devices that never
   wait for each other). Then, `pairs` times, one step of each in turn (the
   order rotated), so that load from elsewhere hits all alike; the speed-up of
-  a round is the reference's step time over the schedule's. Returns one row
+  a round is the reference's step time over the schedule's. Each round also
+  steps the reference together with a copy of it pinned to the other core
+  ('hardware': what the two cores give two processes that share nothing). Returns one row
   per (vocabulary, configuration) with the median speed-up and its spread.
   """
   from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
@@ -363,8 +373,11 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
     workers = [_Pinned("none", dict(base, schedule="none", stages=1, data=1), cores[0]),
                _Pinned("ceiling", dict(base, schedule="none", stages=1, data=2), both)]
     workers += [_Pinned(n, dict(base, schedule=n, stages=2, data=1), both) for n in schedules]
+    # A second reference on the other core: stepped together with the first,
+    # it shows what the two cores give two processes that share nothing.
+    twin = _Pinned("twin", dict(base, schedule="none", stages=1, data=1), cores[1])
     try:
-      for w in workers:
+      for w in workers + [twin]:
         w.ready()
       # The compilations just before raise the 1-minute load average; let it
       # decay (up to 90 s) so that the load recorded is the timing's own.
@@ -375,23 +388,26 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
       log(f"  vocab {vocab}: {len(workers)} workers compiled; timing {pairs} rounds "
           f"(load {timing_load})")
       times: dict[str, list[float]] = {w.label: [] for w in workers}
+      times["hardware"] = []
       for i in range(warmup + pairs):
         order = workers[i % len(workers):] + workers[:i % len(workers)]
         for w in order:
           t = w.step()
           if i >= warmup:
             times[w.label].append(t)
+        together = _step_together(workers[0], twin)
+        if i >= warmup:
+          times["hardware"].append(together)
     finally:
-      for w in workers:
+      for w in workers + [twin]:
         w.close()
     ref = times["none"]
-    for w in workers[1:]:
-      ratio = sorted(a / b for a, b in zip(ref, times[w.label]))
-      name = w.label
-      bub = 0.0 if name == "ceiling" else facts(name, 2, num_microbatches).bubble
-      # The ceiling replica does the reference's work, so its ratio is the
-      # parallel efficiency; 2x that is the most two devices gave here.
-      scale = 2.0 if name == "ceiling" else 1.0
+    for name in [w.label for w in workers[1:]] + ["hardware"]:
+      ratio = sorted(a / b for a, b in zip(ref, times[name]))
+      bub = 0.0 if name in ("ceiling", "hardware") else facts(name, 2, num_microbatches).bubble
+      # The ceiling replica and the twin do the reference's work, so their
+      # ratio is a parallel efficiency; 2x that is what two devices gave.
+      scale = 2.0 if name in ("ceiling", "hardware") else 1.0
       rows.append({
           "vocab": vocab, "schedule": name, "ref_s": statistics.median(ref),
           "step_s": statistics.median(times[name]),
@@ -410,7 +426,8 @@ def two_core_table(rows: list[dict[str, Any]]) -> str:
          "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
   for r in rows:
     name = r["schedule"]
-    label = "ceiling (2 data replicas, no pipeline)" if name == "ceiling" else name
+    label = {"ceiling": "ceiling (2 data replicas, no pipeline)",
+             "hardware": "hardware (2 one-device processes at once)"}.get(name, name)
     if r["target"] is None:
       target = "-"
     else:
