@@ -326,13 +326,22 @@ class _Pinned:
     if line != "ready":
       raise RuntimeError(f"{self.label}: worker failed to start (exit {self.proc.wait()})")
 
-  def step(self) -> float:
+  def send(self) -> None:
+    """Starts one step in the worker."""
     self.proc.stdin.write("step\n")
     self.proc.stdin.flush()
+
+  def receive(self) -> float:
+    """Waits for the step started by `send` and returns its time."""
     line = self.proc.stdout.readline()
     if not line:
       raise RuntimeError(f"{self.label}: worker died (exit {self.proc.wait()})")
     return float(line)
+
+  def step(self) -> float:
+    """Runs one step there and returns its time."""
+    self.send()
+    return self.receive()
 
   def close(self) -> None:
     self.proc.stdin.close()
@@ -341,10 +350,9 @@ class _Pinned:
 
 def _step_together(a: _Pinned, b: _Pinned) -> float:
   """Steps two workers at the same time; returns the slower one's step time."""
-  for w in (a, b):
-    w.proc.stdin.write("step\n")
-    w.proc.stdin.flush()
-  return max(float(w.proc.stdout.readline()) for w in (a, b))
+  a.send()
+  b.send()
+  return max(a.receive(), b.receive())
 
 
 def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *, pairs: int,
@@ -847,17 +855,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   text = "\n".join(header) + "\n\n" + "\n\n".join(f"### {t}\n\n{body}" for t, body in sections)
   text += "\n\n" + "\n".join(footer) + "\n"
   print(text)
-  if args.out_md:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
-    with open(args.out_md, "w") as f:
-      f.write(text)
-    log(f"wrote {args.out_md}")
+  _write(text, args.out_md, log)
   if args.out_json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)
-    with open(args.out_json, "w") as f:
-      json.dump({"header": header, "footer": footer, "rows": rows,
-                 "compile": compile_rows if not args.sweep else []}, f, indent=1)
-    log(f"wrote {args.out_json}")
+    _write(json.dumps({"header": header, "footer": footer, "rows": rows,
+                       "compile": compile_rows if not args.sweep else []}, indent=1),
+           args.out_json, log)
   if args.sweep and args.out_png:
     log(f"wrote {draw_sweep(rows, args.out_png, f'{header[1]}; load {load_before}')}")
   return 0

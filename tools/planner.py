@@ -394,8 +394,8 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
   cfg = resolve_vocab(cfg)
-  _, fns, optimizer = trainer.components(cfg)
-  model, m = trainer.components(cfg)[0], cfg.pipeline.microbatches
+  model, fns, optimizer = trainer.components(cfg)
+  m = cfg.pipeline.microbatches
   stages = cfg.pipeline.stages if schedule != "none" else 1
   sched = make_schedule(schedule, fns, optimizer, make_mesh(stages, cfg.mesh.data), m,
                         stash=stash)
