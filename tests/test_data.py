@@ -1,16 +1,20 @@
 """Tests for jaxpipe.data: the token format, tokenizers, corpus, pipeline and CLI."""
 
+import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from jaxpipe import data as jd
+from jaxpipe.data import _format
 from jaxpipe.errors import DataError
+from tests import _runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "prepare_data.py")
@@ -110,6 +114,13 @@ def _corrupt(tmp_path, how):
     ids[57] = 250
     ids.tofile(out / "train.bin")
     return out, out / "train.bin"
+  if how == "bytes changed":
+    _overwrite(out / "val.bin")
+    return out, out / "val.bin"
+  if how == "bad sha256":
+    meta["splits"]["val"]["sha256"] = "abc"
+    meta_path.write_text(json.dumps(meta))
+    return out, meta_path
   edits = {
       "wrong format": {"format": "npy"},
       "wrong version": {"version": 2},
@@ -128,7 +139,7 @@ def _corrupt(tmp_path, how):
 @pytest.mark.parametrize("how", [
     "missing dir", "missing meta", "bad json", "wrong format", "wrong version", "missing key",
     "bad dtype", "eos beyond vocab", "split path", "missing split file", "truncated",
-    "ids beyond vocab"])
+    "ids beyond vocab", "bytes changed", "bad sha256"])
 def test_bad_data_is_a_one_line_error_naming_the_file(tmp_path, how):
   path, culprit = _corrupt(tmp_path, how)
   with pytest.raises(DataError) as e:
@@ -138,6 +149,8 @@ def test_bad_data_is_a_one_line_error_naming_the_file(tmp_path, how):
     assert "250" in message and "position 57" in message
   if how == "truncated":
     assert "truncated" in message
+  if how == "bytes changed":
+    assert "sha256" in message and "meta.json" in message
 
 
 def test_ids_are_checked_in_chunks(tmp_path, monkeypatch):
@@ -148,12 +161,179 @@ def test_ids_are_checked_in_chunks(tmp_path, monkeypatch):
   jd.write_tokens(tmp_path / "ds", {"train": ids % 50}, vocab_size=100, eos_id=0,
                   tokenizer="byte")
   ids.astype("<u2").tofile(tmp_path / "ds" / "train.bin")
-  jd.open_tokens(tmp_path / "ds", check_ids=False)
+  jd.open_tokens(tmp_path / "ds", verify=False)
   meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
   meta["vocab_size"] = 55
   (tmp_path / "ds" / "meta.json").write_text(json.dumps(meta))
   with pytest.raises(DataError, match="position 93"):
     jd.open_tokens(tmp_path / "ds")
+
+
+# --- checksums ---------------------------------------------------------------
+
+
+def _overwrite(file, at=10, count=5):
+  """Overwrites `count` tokens in place with other in-range ids: same size, new bytes."""
+  ids = np.memmap(file, dtype="<u2", mode="r+")
+  ids[at:at + count] = (ids[at:at + count] + 1) % 7
+  ids.flush()
+  del ids
+
+
+def _aged(out):
+  """Backdates the split files as if written before any verification.
+
+  train.bin gets an mtime two hours ago, val.bin one hour ago. Verification
+  trusts only a file last modified before its record was written; a test that
+  writes and opens within one tick of the file system's clock would otherwise
+  (rightly) read the file again.
+  """
+  now = time.time_ns()
+  for hours, name in ((2, "train.bin"), (1, "val.bin")):
+    os.utime(os.path.join(out, name), ns=(now, now - hours * 3600 * 10**9))
+
+
+def _count_reads(monkeypatch):
+  """Counts, from now on, the passes over split files and the sha256 hashes begun."""
+  count = {"split": 0, "sha256": 0}
+  split, sha256 = _format.TokenData.split, _format.hashlib.sha256
+
+  def counted_split(self, name):
+    count["split"] += 1
+    return split(self, name)
+
+  def counted_sha256(*args):
+    count["sha256"] += 1
+    return sha256(*args)
+
+  monkeypatch.setattr(_format.TokenData, "split", counted_split)
+  monkeypatch.setattr(_format.hashlib, "sha256", counted_sha256)
+  return count
+
+
+def test_overwritten_tokens_fail_the_checksum(tmp_path):
+  out = _write_arange(tmp_path / "ds")
+  data = jd.open_tokens(out)
+  np.testing.assert_array_equal(data.split("train")[8:16], np.arange(8, 16))
+  del data
+  _overwrite(os.path.join(out, "train.bin"))
+  ids = np.fromfile(os.path.join(out, "train.bin"), "<u2")
+  assert ids.max() < 5000 and ids.size == 4000  # in range and the same size: only the hash sees it
+  with pytest.raises(DataError) as e:
+    jd.open_tokens(out)
+  message = _one_line(e.value, os.path.join(out, "train.bin"))
+  for needle in ("sha256 does not match", "meta.json", "corrupt or was changed after it was "
+                 "written", "tools/prepare_data.py"):
+    assert needle in message, message
+  assert jd.open_tokens(out, verify=False).num_tokens("train") == 4000  # the header still reads
+
+
+def test_train_refuses_a_dataset_whose_checksum_fails(tmp_path):
+  out = jd.write_tokens(tmp_path / "ds", {
+      "train": np.random.default_rng(0).integers(0, 256, 4000),
+      "val": np.random.default_rng(1).integers(0, 256, 1000)},
+      vocab_size=257, eos_id=256, tokenizer="byte")
+  _overwrite(os.path.join(out, "train.bin"), at=1234)
+  run_dir = tmp_path / "run"
+  p = _runs.run(str(run_dir), f"data.path={out}", "run.steps=1",
+                cache_dir=str(tmp_path / "cache"))
+  assert p.returncode == 2, p.stderr
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+  assert os.path.join(out, "train.bin") in lines[0] and "sha256" in lines[0], lines[0]
+  assert "Traceback" not in p.stderr
+  assert not run_dir.exists()
+
+
+def test_an_unchanged_dataset_is_verified_once(tmp_path, monkeypatch):
+  out = _write_arange(tmp_path / "ds")
+  _aged(out)
+  reads = _count_reads(monkeypatch)
+  jd.open_tokens(out)
+  assert reads == {"split": 2, "sha256": 2}  # train and val, once each
+  record = json.loads(open(os.path.join(out, _format.VERIFIED)).read())
+  assert sorted(record) == ["train.bin", "val.bin"]
+  data = jd.open_tokens(out)
+  assert reads == {"split": 2, "sha256": 2}  # nothing read again
+  np.testing.assert_array_equal(data.split("val")[:5], np.arange(5))
+  assert data.split_names == ("train", "val")
+
+  os.remove(os.path.join(out, _format.VERIFIED))  # the control: without it, both are read
+  jd.open_tokens(out)
+  assert reads == {"split": 5, "sha256": 4}
+  jd.open_tokens(out, verify=False)  # nothing read, and nothing recorded
+  assert reads["sha256"] == 4
+  # A record written in the tick the file last changed could miss a later write
+  # in that tick, so it does not count for that file (val.bin, newer than train.bin).
+  st = os.stat(os.path.join(out, "val.bin"))
+  os.utime(os.path.join(out, _format.VERIFIED), ns=(st.st_atime_ns, st.st_mtime_ns))
+  jd.open_tokens(out)
+  assert reads["sha256"] == 5
+  with open(os.path.join(out, _format.VERIFIED), "w") as f:
+    f.write("{not json")  # a damaged record is no record
+  jd.open_tokens(out)
+  assert reads["sha256"] == 7
+  json.loads(open(os.path.join(out, _format.VERIFIED)).read())
+  # The record is no dataset file: the same dataset written again is still the same.
+  assert _write_arange(out) == out
+  assert sorted(os.listdir(out)) == [_format.VERIFIED, "meta.json", "train.bin", "val.bin"]
+
+  def read_only(*args):
+    raise PermissionError(13, "Permission denied")
+
+  os.remove(os.path.join(out, _format.VERIFIED))
+  monkeypatch.setattr(_format.os, "replace", read_only)
+  jd.open_tokens(out)  # a directory it cannot write to: verified, and nothing kept
+  assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_a_change_after_verification_is_seen(tmp_path, monkeypatch):
+  out = _write_arange(tmp_path / "ds")
+  train = os.path.join(out, "train.bin")
+  _aged(out)
+  reads = _count_reads(monkeypatch)
+  jd.open_tokens(out)
+  jd.open_tokens(out)
+  assert reads["sha256"] == 2  # verified and recorded
+  _overwrite(train)  # same size, new mtime
+  with pytest.raises(DataError) as e:
+    jd.open_tokens(out)
+  _one_line(e.value, train)
+
+  # A write that puts the old mtime back (touch -d, os.utime) still changes ctime.
+  out = _write_arange(tmp_path / "ds2")
+  train = os.path.join(out, "train.bin")
+  _aged(out)
+  jd.open_tokens(out)
+  before = os.stat(train)
+  _overwrite(train)
+  os.utime(train, ns=(before.st_atime_ns, before.st_mtime_ns))
+  assert os.stat(train).st_mtime_ns == before.st_mtime_ns
+  with pytest.raises(DataError, match="sha256 does not match"):
+    jd.open_tokens(out)
+
+  # A header edited after verification is held to its new vocab_size.
+  out = _write_arange(tmp_path / "ds3")
+  _aged(out)
+  jd.open_tokens(out)
+  meta = json.loads(open(os.path.join(out, "meta.json")).read())
+  meta["vocab_size"] = 3000
+  with open(os.path.join(out, "meta.json"), "w") as f:
+    json.dump(meta, f)
+  with pytest.raises(DataError, match="token id 3000 at position 3000"):
+    jd.open_tokens(out)
+
+
+def test_a_split_without_a_checksum_still_opens(tmp_path, monkeypatch):
+  out = _write_arange(tmp_path / "ds")
+  meta = json.loads(open(os.path.join(out, "meta.json")).read())
+  del meta["splits"]["train"]["sha256"]
+  with open(os.path.join(out, "meta.json"), "w") as f:
+    json.dump(meta, f)
+  _overwrite(os.path.join(out, "train.bin"))  # undetectable without a checksum
+  reads = _count_reads(monkeypatch)
+  jd.open_tokens(out)
+  assert reads == {"split": 2, "sha256": 1}  # ids checked in both, val hashed
 
 
 def test_split_shorter_than_one_sequence(tmp_path):
@@ -168,6 +348,20 @@ def test_split_shorter_than_one_sequence(tmp_path):
   _one_line(e.value, os.path.join(out, "train.bin"))
   with pytest.raises(DataError, match="no split 'test'"):
     data.split("test")
+
+
+def test_bench_data_verify_runs_and_cleans_up(tmp_path, capsys):
+  spec = importlib.util.spec_from_file_location(
+      "_tool_bench_data_verify", os.path.join(REPO, "tools", "bench_data_verify.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  assert bench.main(["--gib", "0.001", "--repeat", "1", "--dir", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  for row in ("open_tokens, no record", "... file evicted", "open_tokens, recorded",
+              "open_tokens(verify=False)", "id check alone", "id check + sha256"):
+    assert f"| {row} " in out, out
+  assert "load average" in out and "GiB on disk" in out
+  assert os.listdir(tmp_path) == []
 
 
 # --- tokenizers --------------------------------------------------------------
@@ -452,6 +646,10 @@ def _inputs(tmp_path):
     f.write("\n")
   (src / "array.json").write_text(json.dumps([{"text": "From an array."}]))
   (src / "ignored.csv").write_text("a,b\n")
+  (src / "sub" / "figure.png").write_bytes(b"\x89PNG")
+  (src / ".DS_Store").write_bytes(b"\0")  # hidden: passed over without a word
+  (src / ".git").mkdir()
+  (src / ".git" / "description.txt").write_text("not part of the corpus")
   return src
 
 
@@ -460,10 +658,12 @@ def test_prepare_data_cli(tmp_path):
   out = tmp_path / "out"
   run = subprocess.run(
       [sys.executable, TOOL, "--tokenizer", "byte", "--out", str(out), "--val-fraction", "0.2",
-       str(src)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+       "--seq-len", "32", "src"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
   assert run.returncode == 0, run.stderr
   summary = run.stdout.strip().splitlines()
   assert len(summary) == 1 and str(out) in summary[0] and "train" in summary[0]
+  assert summary[0].endswith(
+      "; skipped 2 files of unknown type: src/ignored.csv, src/sub/figure.png"), summary[0]
   data = jd.open_tokens(out)
   tok = jd.get_tokenizer("byte")
   train = tok.decode(data.split("train"))
@@ -475,26 +675,72 @@ def test_prepare_data_cli(tmp_path):
   assert "Paragraph 2 of the book, with some words.\n\nParagraph 4 of" in train
   assert "Document number 3." in val and "Document number 4." in train
   assert "From an array.<|endoftext|>" in train and "a,b" not in train + val
-  assert len(data.meta["sources"]) == 4
+  assert len(data.meta["sources"]) == 4 and "corpus" not in train + val
+  assert data.meta["skipped_files"] == [str(src / "ignored.csv"), str(src / "sub" / "figure.png")]
 
-  bad = subprocess.run(
-      [sys.executable, TOOL, "--tokenizer", "byte", "--out", str(tmp_path / "out2"),
-       str(src / "missing.txt")], capture_output=True, text=True, timeout=120)
-  assert bad.returncode == 2
-  lines = bad.stderr.strip().splitlines()
-  assert len(lines) == 1 and "missing.txt" in lines[0] and "Traceback" not in bad.stderr
-  assert not (tmp_path / "out2").exists()
+  too_long = ["--val-fraction", "0.2", "--seq-len", "4096", str(src)]
+  for culprit, args in (("missing.txt", [str(src / "missing.txt")]),
+                        ("seq_len+1 = 4097", too_long)):
+    # Refused before and after tokenising (with a progress bar, were stderr a terminal).
+    bad = subprocess.run(
+        [sys.executable, TOOL, "--tokenizer", "byte", "--out", str(tmp_path / "out2"), *args],
+        capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and culprit in lines[0] and "Traceback" not in bad.stderr, lines
+    assert not (tmp_path / "out2").exists()
+  assert sorted(os.listdir(tmp_path)) == ["out", "src"]
 
 
-@pytest.mark.parametrize("case", ["unknown tokenizer", "empty dir", "bad jsonl", "missing key",
-                                  "exists", "bad fraction", "not utf8", "parquet",
-                                  "no val", "usage"])
-def test_prepare_data_bad_input(tmp_path, capsys, case):
+def _tool():
   sys.path.insert(0, os.path.dirname(TOOL))
   try:
     import prepare_data  # pylint: disable=g-import-not-at-top
   finally:
     sys.path.pop(0)
+  return prepare_data
+
+
+def test_prepare_data_names_a_few_skipped_files(tmp_path, capsys):
+  src = tmp_path / "src"
+  src.mkdir()
+  (src / "a.txt").write_text("one\n\ntwo\n\nthree\n")
+  for i in range(7):
+    (src / f"img{i}.png").write_bytes(b"")
+  code = _tool().main(["--tokenizer", "byte", "--out", str(tmp_path / "out"), "--quiet",
+                       "--val-fraction", "0.5", "--seq-len", "3", str(src)])
+  assert code == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  assert len(out) == 1
+  names = ", ".join(str(src / f"img{i}.png") for i in range(5))
+  assert out[0].endswith(f"; skipped 7 files of unknown type: {names} and 2 more"), out[0]
+  assert len(jd.open_tokens(tmp_path / "out").meta["skipped_files"]) == 7
+
+
+def test_prepare_data_minimum_is_the_trainers(tmp_path):
+  """A val split of exactly seq_len+1 tokens passes, and holds the trainer's one sequence."""
+  good = tmp_path / "a.txt"
+  good.write_text("one\n\ntwo\n\nthree\n")  # val: "two" + end of text = 4 tokens
+  data = jd.prepare_files([str(good)], str(tmp_path / "out"), tokenizer="byte",
+                          val_fraction=0.5, seq_len=3, progress=False)
+  assert data.num_tokens("val") == 4 and data.num_sequences("val", 3) == 1
+  assert data.meta["skipped_files"] == []
+  with pytest.raises(DataError) as e:
+    jd.prepare_files([str(good)], str(tmp_path / "out2"), tokenizer="byte", val_fraction=0.5,
+                     seq_len=4, progress=False)
+  _one_line(e.value, "4 tokens, fewer than one sequence of seq_len+1 = 5")
+  with pytest.raises(DataError):  # what the trainer would have said
+    data.num_sequences("val", 4)
+  assert sorted(os.listdir(tmp_path)) == ["a.txt", "out"]
+
+
+@pytest.mark.parametrize("case", ["unknown tokenizer", "empty dir", "bad jsonl", "missing key",
+                                  "exists", "bad fraction", "not utf8", "parquet",
+                                  "no val", "usage", "zero fraction", "short val",
+                                  "short train", "bad seq len", "unknown type",
+                                  "only other types"])
+def test_prepare_data_bad_input(tmp_path, capsys, case):
+  prepare_data = _tool()
   src = tmp_path / "src"
   src.mkdir()
   good = src / "a.txt"
@@ -525,6 +771,22 @@ def test_prepare_data_bad_input(tmp_path, capsys, case):
     args += ["--val-fraction", "0.1"]
   elif case == "usage":
     args = ["--out"]
+  elif case == "zero fraction":
+    args += ["--val-fraction", "0"]
+  elif case == "short val":  # val: "two" + end of text = 4 tokens
+    args += ["--val-fraction", "0.5", "--seq-len", "8"]
+  elif case == "short train":  # train: "a" + end of text; val: 11 tokens
+    good.write_text("a\n\nbbbbbbbbbb\n")
+    args += ["--val-fraction", "0.5", "--seq-len", "4"]
+  elif case == "bad seq len":
+    args += ["--seq-len", "0"]
+  elif case == "unknown type":
+    (src / "table.csv").write_text("a,b\n")
+    args.append(str(src / "table.csv"))
+  elif case == "only other types":
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "table.csv").write_text("a,b\n")
+    args[-1] = str(tmp_path / "empty")
   if case == "parquet" and _has_pyarrow():
     pytest.skip("pyarrow is installed")
   try:
@@ -534,6 +796,18 @@ def test_prepare_data_bad_input(tmp_path, capsys, case):
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2, err
   assert len(err) == 1 and err[0].startswith("prepare_data: "), err
+  said = {
+      "zero fraction": "val fraction 0.0 is not in (0, 0.5]; training needs a val split",
+      "short val": "the val split would hold 4 tokens, fewer than one sequence of "
+                   "seq_len+1 = 9; raise --val-fraction",
+      "short train": "the train split would hold 2 tokens, fewer than one sequence of "
+                     "seq_len+1 = 5; add text or lower --seq-len",
+      "bad seq len": "seq_len 0 is not an integer >= 1",
+      "unknown type": "table.csv: unknown input type",
+      "only other types": "no .txt, .md, .jsonl, .json or .parquet files in this directory "
+                          "(only 1 of other types: ",
+  }
+  assert said.get(case, "") in err[0], err
   if case == "exists":
     assert jd.open_tokens(out).num_tokens("train") == 50
   else:
@@ -542,6 +816,5 @@ def test_prepare_data_bad_input(tmp_path, capsys, case):
 
 
 def _has_pyarrow():
-  import importlib.util
   return importlib.util.find_spec("pyarrow") is not None
 

@@ -541,7 +541,7 @@ def count_params(cfg: config_lib.Config) -> int:
   from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
   d = cfg.data
   path = d.path or data_lib.prepare_embedded(d.corpus, d.tokenizer, d.cache_dir)
-  vocab = cfg.model.vocab_size or data_lib.open_tokens(path).vocab_size
+  vocab = cfg.model.vocab_size or data_lib.open_tokens(path, verify=False).vocab_size
   model = model_lib.build(dataclasses.replace(cfg.model, vocab_size=vocab))
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)))

