@@ -6,7 +6,8 @@
 Running the same command again resumes from the newest checkpoint in run.dir;
 a larger run.steps continues a finished run. Exit status: 0 done, 2 bad input
 (one line on stderr), 3 stopped on a non-finite loss (nan_policy=stop),
-128+signal when SIGTERM/SIGINT stopped it after saving a checkpoint.
+128+signal when SIGTERM/SIGINT stopped it after saving a checkpoint, 130 when
+a second signal stopped it at once.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def main(argv=None) -> int:
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    # A second SIGINT/SIGTERM, or Ctrl-C before training began: stop at once.
+    # Exiting without the interpreter's shutdown leaves a save in progress
+    # unfinished (the next start ignores it) instead of tracing back from it.
+    print("stopped at once by a second interrupt, without saving; run the same command "
+          "to resume from the last checkpoint", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)  # pylint: disable=protected-access
   if summary["is_main"]:
     print(trainer.format_summary(summary), flush=True)
   return summary["exit_code"]

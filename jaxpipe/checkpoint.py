@@ -21,7 +21,8 @@ import orbax.checkpoint as ocp
 
 from jaxpipe.errors import CheckpointError
 
-__all__ = ["Checkpointer", "RESUMABLE_KEYS", "config_differences", "check_compatible"]
+__all__ = ["Checkpointer", "RESUMABLE_KEYS", "LAYOUT_KEYS", "config_differences",
+           "check_compatible", "path_key"]
 
 # Config keys a resumed run may change; everything else must match the
 # checkpoint, since it changes what the saved state means.
@@ -30,7 +31,25 @@ RESUMABLE_KEYS = frozenset({
     "run.debug_nan_step", "run.peak_tflops", "run.profile",
     "data.cache_dir", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
     "eval.every", "eval.batches", "dist.coordinator", "dist.num_processes", "dist.process_id",
+    "run.debug_kill",
 })
+
+# Keys that change the mesh: a resumed run may change them where its schedule
+# can carry its state over (`Schedule.check_relayout`); the global batch stays.
+LAYOUT_KEYS = frozenset({"mesh.data", "pipeline.stages"})
+
+
+def path_key(path) -> str:
+  """A pytree path as orbax names the array: '0.inflight.stash.1'."""
+  parts = []
+  for k in path:
+    for attr in ("name", "key", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return ".".join(parts)
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -56,9 +75,10 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
   return diffs
 
 
-def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
+def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], where: str,
+                     allowed=RESUMABLE_KEYS | LAYOUT_KEYS) -> None:
   """Raises CheckpointError naming the differences that forbid resuming."""
-  diffs = config_differences(saved, current)
+  diffs = config_differences(saved, current, allowed)
   if diffs:
     shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
     raise CheckpointError(
@@ -79,6 +99,13 @@ class Checkpointer:
                                             item_names=("state", "data", "meta"))
     except Exception as e:  # orbax raises many types for an unusable directory
       raise CheckpointError(f"cannot open checkpoint directory {self.directory}: {e}") from None
+    # The manager removes the partial checkpoints of a killed process in a
+    # background thread that its close() does not wait for; a run that ends
+    # at once (a refused resume) would then trace back from that thread at
+    # interpreter exit. Waiting here costs a directory listing.
+    await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()
 
   def latest_step(self) -> Optional[int]:
     """The newest complete checkpoint's step, or None."""
@@ -122,10 +149,92 @@ class Checkpointer:
                             "resume with the config it was written with") from None
     return out["state"], dict(out["data"]), dict(out["meta"])
 
+  def saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    """The global shape of every array of checkpoint `step`'s state, by `path_key`."""
+    reader = self._reader()
+    try:
+      tree = reader.item_metadata(step)["state"].tree
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} is "
+                            f"unreadable ({type(e).__name__}); delete it to resume from an "
+                            "earlier one") from None
+    finally:
+      reader.close()
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: hasattr(x, "shape"))[0]:
+      out[path_key(path)] = tuple(leaf.shape)
+    return out
+
+  def restore_arrays(self, step: int, abstract: Mapping[str, jax.ShapeDtypeStruct]
+                     ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+    """Restores only the arrays named in `abstract` (by `path_key`), in their shardings.
+
+    Returns (arrays by path key, the data item). For a checkpoint of another
+    mesh, whose arrays the caller fits to this one.
+    """
+    path = os.path.join(self.directory, str(step))
+    reader = self._reader()
+    metadata = reader.item_metadata(step)["state"].tree
+
+    def has_arrays(node):
+      return any(hasattr(x, "shape") for x in jax.tree.leaves(
+          node, is_leaf=lambda x: hasattr(x, "shape")))
+
+    # The saved tree, cut down to the wanted arrays: a mapping drops what is
+    # not wanted (a partial restore), a sequence keeps its arity, and an
+    # empty node (an optimizer's EmptyState) stays as it was saved.
+    omit = object()
+
+    def keep(node, prefix):
+      if not has_arrays(node):
+        return node
+      if isinstance(node, Mapping):
+        out = {k: keep(v, f"{prefix}{k}.") for k, v in node.items()}
+        out = {k: v for k, v in out.items() if v is not omit}
+        return out or omit
+      if isinstance(node, (list, tuple)):
+        subs = [keep(v, f"{prefix}{i}.") for i, v in enumerate(node)]
+        if all(x is omit for x in subs):
+          return omit
+        if any(x is omit for x in subs):
+          raise CheckpointError(f"checkpoint {path}: a partial sequence cannot be restored")
+        return subs
+      return abstract.get(prefix[:-1], omit)
+
+    item = keep(metadata, "")
+    if item is omit:
+      raise CheckpointError(f"checkpoint {path}: none of the arrays asked for is in it")
+    args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                       dtype=x.dtype), item)
+    try:
+      out = reader.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
+          data=ocp.args.JsonRestore()))
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {path} does not fit this run or is damaged "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    finally:
+      reader.close()
+    flat = jax.tree_util.tree_flatten_with_path(out["state"])[0]
+    return {path_key(p): x for p, x in flat}, dict(out["data"])
+
+  def _reader(self) -> ocp.CheckpointManager:
+    # The state item was written by StandardSave; reading a subset of it
+    # needs the PyTree handler underneath, in a manager of its own.
+    return ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(create=False),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                       "data": ocp.JsonCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
+
   def wait(self) -> None:
     """Blocks until background saves are on disk."""
     self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for background saves and releases the manager (a second call does nothing)."""
+    if self._manager is not None:
+      manager, self._manager = self._manager, None
+      manager.wait_until_finished()
+      manager.close()

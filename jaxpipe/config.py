@@ -23,7 +23,7 @@ __all__ = [
     "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",
     "MeshConfig", "OptimizerConfig", "CheckpointConfig", "EvalConfig",
     "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict",
-    "apply_overrides", "validate", "profile_window",
+    "apply_overrides", "validate", "profile_window", "kill_point", "KILL_MOMENTS",
 ]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
@@ -42,6 +42,7 @@ class RunConfig:
   debug_nan_step: int = -1       # fault injection: make batch k's loss NaN (-1 = never)
   peak_tflops: float = 0.0       # per-device peak for MFU; 0 = known accelerators' bf16 peak
   profile: str = ""              # START:STOP = a jax.profiler trace of those steps in run.dir/profile
+  debug_kill: str = ""           # fault injection: SIGKILL itself at MOMENT:STEP (see kill_point)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +292,23 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
   return cfg
 
 
+# Where `run.debug_kill` can stop a run: once step K's training record is on
+# file; right after checkpoint K's save has started (with asynchronous saves,
+# while it is being written and before it is committed).
+KILL_MOMENTS = ("record", "save")
+
+
+def kill_point(spec: str) -> tuple[str, int] | None:
+  """(moment, step) of `run.debug_kill` ('record:3', 'save:3'), or None for ''."""
+  if not spec:
+    return None
+  moment, _, step = spec.partition(":")
+  if moment not in KILL_MOMENTS or not step.isdigit():
+    raise ConfigError(f"run.debug_kill must be MOMENT:STEP with MOMENT one of "
+                      f"{', '.join(KILL_MOMENTS)} (e.g. save:3), got '{spec}'")
+  return moment, int(step)
+
+
 def profile_window(spec: str) -> tuple[int, int] | None:
   """(start, stop) of `run.profile` ('START:STOP', steps START..STOP-1), or None for ''."""
   if not spec:
@@ -330,6 +348,7 @@ def validate(cfg: Config) -> None:
   _check(m.remat in ("none", "full", "dots"), f"model.remat must be none, full or dots; got '{m.remat}'")
   _check(r.peak_tflops >= 0, f"run.peak_tflops must be >= 0, got {r.peak_tflops}")
   profile_window(r.profile)
+  kill_point(r.debug_kill)
   for key in ("param_dtype", "compute_dtype"):
     _check(getattr(m, key) in ("float32", "bfloat16", "float16"),
            f"model.{key} must be float32, bfloat16 or float16, got '{getattr(m, key)}'")

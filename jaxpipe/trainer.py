@@ -36,7 +36,7 @@ from jaxpipe import data as data_lib
 from jaxpipe import launch
 from jaxpipe import model as model_lib
 from jaxpipe import optim
-from jaxpipe.checkpoint import Checkpointer, check_compatible
+from jaxpipe.checkpoint import Checkpointer, check_compatible, config_differences, path_key
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError
 from jaxpipe.pipeline import Schedule, StageFns, make_mesh, make_schedule
@@ -80,12 +80,16 @@ def open_data(cfg: Config) -> data_lib.TokenData:
 
 
 def resolve_model(cfg: Config, data: data_lib.TokenData) -> Config:
-  """Fills model.vocab_size from the data; refuses a model vocabulary that is too small."""
+  """Fills model.vocab_size and data.tokenizer from the data; refuses a vocabulary too small."""
   vocab = cfg.model.vocab_size or data.vocab_size
   if vocab < data.vocab_size:
     raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
                       f"({data.vocab_size}, tokenizer {data.tokenizer}); set model.vocab_size=0")
-  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+  if cfg.data.path:
+    # A prepared dataset brings its own tokenizer: record that one, not the default.
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=data.tokenizer))
+  return cfg
 
 
 def stage_fns(model: model_lib.Model) -> StageFns:
@@ -173,14 +177,18 @@ class _Metrics:
     self._file = open(self.path, "a")
     try:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step or None)
+      self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
     except ImportError:
       self._tb = None
 
   def _truncate(self, start_step: int, lag: int) -> None:
     # A resumed run rewrites what came after its checkpoint: training records
-    # of batches it will report again, evaluations it will repeat.
+    # of batches it will report again, evaluations it will repeat; a run
+    # that starts over (at step 0) rewrites everything.
     if not os.path.exists(self.path):
+      return
+    if start_step == 0:
+      os.remove(self.path)
       return
     keep = []
     self.val_steps = set()
@@ -255,33 +263,131 @@ def _meta(cfg: Config, step: int) -> dict[str, Any]:
 
 
 def _say(msg: str) -> None:
-  print(msg, file=sys.stderr, flush=True)
+  """Prints a message on stderr, above the progress bar if one is showing."""
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  tqdm.write(msg, file=sys.stderr)
+  sys.stderr.flush()
 
 
 def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[str, Any]:
   """Trains according to `cfg`; returns a summary dict (and writes run.dir).
 
   Resumes from the newest checkpoint in `run.dir` if there is one (with a
-  compatible config); `require_resume` makes a missing checkpoint an error.
-  Raises InputError subclasses for bad input; returns with summary
-  ["exit_code"] 0, EXIT_NONFINITE or EXIT_INTERRUPTED+signal.
+  compatible config, possibly on another mesh); with none, starts at step 0,
+  also over the records of an earlier attempt of the same config that
+  stopped before its first checkpoint. `require_resume` makes a missing
+  checkpoint an error. Raises InputError subclasses for bad input;
+  KeyboardInterrupt on a second SIGINT/SIGTERM (without waiting for a save
+  in progress); returns with summary["exit_code"] 0, EXIT_NONFINITE or
+  EXIT_INTERRUPTED+signal.
   """
   run = build(cfg, devices)
+  os.makedirs(run.cfg.run.dir, exist_ok=True)
+  ckpt = Checkpointer(os.path.join(run.cfg.run.dir, "checkpoints"),
+                      keep=run.cfg.checkpoint.keep, async_save=run.cfg.checkpoint.async_save)
+  abandon = False
+  try:
+    return _train(run, ckpt, require_resume)
+  except KeyboardInterrupt:
+    abandon = True  # stop now: a save in progress is left unfinished, and ignored later
+    raise
+  finally:
+    if not abandon:
+      ckpt.close()
+
+
+def _earlier_config(run_dir: str) -> Optional[dict[str, Any]]:
+  """The config.yaml an earlier attempt left in run_dir, or None."""
+  try:
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+      out = yaml.safe_load(f)
+  except (OSError, yaml.YAMLError):
+    return None
+  return out if isinstance(out, dict) else None
+
+
+def _check_fresh_start(run_dir: str, cfg: Config, ckpt: Checkpointer) -> bool:
+  """Whether run_dir holds records of an earlier attempt to replace; raises if not ours.
+
+  An attempt killed before its first checkpoint was committed leaves
+  records and config.yaml but nothing to resume from; the same config starts
+  over from step 0 (the run is deterministic, so nothing is lost but time).
+  """
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not (os.path.exists(path) and os.path.getsize(path) > 0):
+    return False
+  earlier = _earlier_config(run_dir)
+  diffs = (config_differences(earlier, config_lib.to_dict(cfg)) if earlier is not None
+           else ["no config.yaml"])
+  if diffs:
+    shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+    raise CheckpointError(
+        f"{run_dir} holds metrics of another run ({shown}) and no checkpoint in "
+        f"{ckpt.directory} to resume from; choose a new run.dir, or delete that directory "
+        "to start over")
+  return True
+
+
+def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], state, rng):
+  """Checkpoint `step` as (state, rng, data state), on this run's mesh whatever it was saved on."""
+  cfg, schedule = run.cfg, run.schedule
+  s_old = saved.get("pipeline", {}).get("stages", cfg.pipeline.stages)
+  d_old = saved.get("mesh", {}).get("data", cfg.mesh.data)
+  if (s_old, d_old) == (cfg.pipeline.stages, cfg.mesh.data):
+    (state, rng), data_state, _ = ckpt.restore(step, (state, rng))
+    return state, rng, data_state
+  try:
+    schedule.check_relayout(s_old, d_old)
+  except ValueError as e:
+    raise CheckpointError(f"cannot resume {ckpt.directory}/{step}: {e}") from None
+  shapes = ckpt.saved_shapes(step)
+  keep = (schedule.restored_fields(state), True)
+  abstract = {}
+  for (path, x), wanted in zip(jax.tree_util.tree_flatten_with_path((state, rng))[0],
+                               jax.tree.leaves(keep)):
+    key = path_key(path)
+    if not wanted:
+      continue
+    if key not in shapes:
+      raise CheckpointError(f"checkpoint {ckpt.directory}/{step} has no array {key}; resume "
+                            "with the config it was written with")
+    # An array whose shape this mesh changes (a re-padded vocabulary) is read
+    # whole onto every device, then fitted by the schedule.
+    abstract[key] = jax.ShapeDtypeStruct(
+        shapes[key], x.dtype,
+        sharding=x.sharding if shapes[key] == x.shape else schedule.replicated())
+  arrays, data_state = ckpt.restore_arrays(step, abstract)
+  restored = jax.tree_util.tree_map_with_path(lambda p, x: arrays.get(path_key(p), x),
+                                              (state, rng))
+  try:
+    new_state = schedule.relayout(restored[0], state)
+  except ValueError as e:
+    raise CheckpointError(f"cannot resume {ckpt.directory}/{step} on this mesh: {e}") from None
+  if jax.process_index() == 0:
+    _say(f"resharded the checkpoint from {s_old} stage(s) x {d_old} data to "
+         f"{cfg.pipeline.stages} x {cfg.mesh.data}")
+  return new_state, restored[1], data_state
+
+
+def _kill_at(point: Optional[tuple[str, int]], moment: str, step: int) -> None:
+  """`run.debug_kill`: SIGKILL this process at the named moment (for tests of kills)."""
+  if point == (moment, step):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _train(run: Run, ckpt: Checkpointer, require_resume: bool) -> dict[str, Any]:
+  """The body of `train`, with the checkpointer it closes."""
   cfg = run.cfg
   is_main = jax.process_index() == 0
   run_dir = cfg.run.dir
-  metrics_path = os.path.join(run_dir, "metrics.jsonl")
-  os.makedirs(run_dir, exist_ok=True)
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
-                      async_save=cfg.checkpoint.async_save)
+  kill = config_lib.kill_point(cfg.run.debug_kill)
   latest = ckpt.latest_step()
+  restart = False
   if latest is None:
     if require_resume:
       raise CheckpointError(f"--resume: no checkpoint in {ckpt.directory}")
-    if os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0:
-      raise CheckpointError(
-          f"{run_dir} holds metrics of an earlier run but no checkpoint to resume from; "
-          "choose a new run.dir, or delete that directory to start over")
+    restart = _check_fresh_start(run_dir, cfg, ckpt)
+    meta = None
   else:
     meta = ckpt.read_meta(latest)
     check_compatible(meta.get("config", {}), config_lib.to_dict(cfg), ckpt.directory)
@@ -308,11 +414,14 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
       shard_index=shard_index, shard_count=shard_count)
   start = 0
   if latest is not None:
-    (state, rng), data_state, _ = ckpt.restore(latest, (state, rng))
+    state, rng, data_state = _restore(run, ckpt, latest, meta.get("config", {}), state, rng)
     it.set_state(data_state)
     start = latest
     if is_main:
       _say(f"resuming from {ckpt.directory}/{latest} (step {latest} of {cfg.run.steps})")
+  elif restart and is_main:
+    _say(f"no checkpoint in {ckpt.directory}: the earlier attempt stopped before its first "
+         "one was saved; starting over from step 0")
   if is_main:
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
       f.write(f"# jaxpipe resolved config; commit {_git_commit()}\n")
@@ -365,6 +474,7 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
     log.write(rec)
     summary["train_loss"] = loss
     summary["train_loss_step"] = k
+    _kill_at(kill, "record", k)
 
   stop_signal = []
 
@@ -468,6 +578,7 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
       if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.run.steps:
         ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
         saved_at = done
+        _kill_at(kill, "save", done)
       if stop_signal:
         ok, pending = settle(*pending), None
         if not ok:
@@ -494,7 +605,9 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
                "to continue it")
         pending_loss = schedule.pending_loss(state)
         if pending_loss is not None:
-          record(done - 1, float(pending_loss), {"skipped": summary["skipped"]})
+          # The last batch's gradient is still in flight: it has no norm yet.
+          record(done - 1, float(pending_loss), {"grad_norm": None,
+                                                 "skipped": summary["skipped"]})
         val = evaluate(state)
         if val is not None:
           if done not in log.val_steps:
@@ -502,13 +615,13 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
           summary["val_loss"] = val
         if saved_at != done:
           ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
+          _kill_at(kill, "save", done)
   finally:
     profile.close()
     if bar is not None:
       bar.close()
     for sig, handler in handlers.items():
       signal.signal(sig, handler)
-    ckpt.close()
     log.close()
 
   elapsed = time.time() - t_run

@@ -117,7 +117,7 @@ def test_nan_stops_with_the_last_good_state_saved(tmp_path, cache):
     ("model.n_layers=2", "model.n_layers: 4 -> 2"),
     ("pipeline.schedule=gpipe", "pipeline.schedule: 'none' -> 'gpipe'"),
     ("optimizer.name=muon", "optimizer.name: 'adamw' -> 'muon'"),
-    ("mesh.data=2", "mesh.data: 1 -> 2"),
+    ("data.batch_size=16", "data.batch_size: 8 -> 16"),
 ])
 def test_resume_with_a_different_config_is_refused(tmp_path, cache, change, named):
   run_dir = str(tmp_path / "run")

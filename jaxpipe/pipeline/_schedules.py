@@ -427,6 +427,48 @@ class Schedule:
     """Loss of the batch whose report is still in flight (2bw), else None."""
     return None
 
+  # --- resuming on another mesh ----------------------------------------------------
+  #
+  # A checkpoint's arrays keep their global shapes when only the data degree
+  # changes, and orbax reshards them on restore. What a stage count decides:
+  # the vocabulary padding (a multiple of S), pipedream's S weight versions
+  # and 2bw's per-device in-flight buffers, which `relayout` handles.
+
+  def check_relayout(self, saved_stages: int, saved_data: int) -> None:
+    """Raises ValueError if a state saved on a saved_stages x saved_data mesh cannot resume here."""
+    del saved_stages, saved_data
+
+  def restored_fields(self, state: NamedTuple) -> NamedTuple:
+    """A tree of bools shaped like `state`: the arrays a checkpoint of another mesh supplies.
+
+    The others are rebuilt by `relayout`.
+    """
+    return jax.tree.map(lambda _: True, state)
+
+  def relayout(self, restored: NamedTuple, fresh: NamedTuple) -> NamedTuple:
+    """This mesh's state from `restored`, read off a checkpoint of another mesh.
+
+    `fresh` is this mesh's initial state: it gives every array's shape and
+    sharding, and the arrays `restored_fields` leaves out. A vocabulary axis
+    padded for another stage count is cut back to the vocabulary and padded
+    again with zeros (padding rows hold zeros under every optimizer, see
+    `_vocab.pad_vocab`); every other array must already have its shape here.
+    """
+    def fit(x, like):
+      if x.shape == like.shape:
+        return x if x.sharding == like.sharding else jax.device_put(x, like.sharding)
+      axes = [a for a, (m, n) in enumerate(zip(x.shape, like.shape)) if m != n]
+      v = self.fns.vocab_size
+      if (x.ndim != like.ndim or len(axes) != 1
+          or min(x.shape[axes[0]], like.shape[axes[0]]) < v):
+        raise ValueError(f"an array of shape {x.shape} in the checkpoint has shape "
+                         f"{like.shape} on this mesh; only vocabulary padding may differ")
+      resize = functools.partial(_vocab._resize, axis=axes[0], size=like.shape[axes[0]])  # pylint: disable=protected-access
+      return jax.jit(lambda a: resize(lax.slice_in_dim(a, 0, v, axis=axes[0])),
+                     out_shardings=like.sharding)(x)
+
+    return jax.tree.map(fit, restored, fresh)
+
 
 def _full_loss(fns: StageFns):
   def loss(params, tokens, targets):
@@ -605,6 +647,15 @@ class PipeDream(_Pipelined):
   def _params_of(self, state) -> Tree:
     return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), state.versions)
 
+  def check_relayout(self, saved_stages, saved_data):
+    """A changed stage count is refused: it changes how many versions exist and every delay."""
+    del saved_data
+    if saved_stages != self.num_stages:
+      raise ValueError(
+          f"pipedream keeps the last S weight versions and runs stage s S-1-s updates behind, "
+          f"so a run saved with pipeline.stages={saved_stages} cannot continue with "
+          f"{self.num_stages} (its delays would change mid-run); mesh.data can change")
+
   def newest(self, state) -> Tree:
     return _pick(state.versions, state.step % self.num_stages)
 
@@ -667,12 +718,17 @@ class TwoBW(_Pipelined):
   def newest(self, state) -> Tree:
     return state.cur
 
-  def _step_fn(self, state, tokens, targets):
-    k, m = state.step, self.num_microbatches
-    f = state.inflight
+  def _window(self, state, tokens, targets, k, has_history):
+    """Runs step k's ticks on `state`: (gradient of batch k-1, its loss, batch k's InFlight).
+
+    Without history the microbatches of batch k-1 are skipped (step 0 has
+    none), but the stash slots are those of step k.
+    """
+    m, f = self.num_microbatches, state.inflight
     specs = self._field_specs(state, state.cur)
 
-    def body(prev, cur, fwd_buf, bwd_buf, stash, acc, loss, prev_tok, prev_tgt, tok, tgt, k):
+    def body(prev, cur, fwd_buf, bwd_buf, stash, acc, loss, prev_tok, prev_tgt, tok, tgt, k,
+             has_history):
       (prev_b, prev_s), (cur_b, cur_s) = split_params(prev), split_params(cur)
       acc_prev = _local(acc)
       carry = TickCarry(_local(fwd_buf), _local(bwd_buf), _local(stash),
@@ -680,7 +736,7 @@ class TwoBW(_Pipelined):
                         jnp.stack([_local(loss), jnp.zeros_like(_local(loss))]))
       window = (jnp.concatenate([prev_tok, tok]), jnp.concatenate([prev_tgt, tgt]))
       carry = self.engine.run((prev_b, cur_b), (prev_s, cur_s), *window, carry,
-                              has_history=k > 0, slot_base=(k * m) % self.plan.slots)
+                              has_history=has_history, slot_base=(k * m) % self.plan.slots)
       g_blocks, g_shared, done = self._reduce(*carry.accs[0], carry.losses[0])
       return (merge_params(g_blocks, g_shared), done, *_per_device(
           (carry.fwd_buf, carry.bwd_buf, carry.stash, carry.accs[1], carry.losses[1])))
@@ -689,17 +745,53 @@ class TwoBW(_Pipelined):
     fn = self._shard_map(
         body,
         (specs.prev, specs.cur, inflight.fwd_buf, inflight.bwd_buf, inflight.stash, inflight.acc,
-         inflight.loss, inflight.tokens, inflight.targets, P(None, DATA), P(None, DATA), P()),
+         inflight.loss, inflight.tokens, inflight.targets, P(None, DATA), P(None, DATA), P(),
+         P()),
         (specs.cur, P(), inflight.fwd_buf, inflight.bwd_buf, inflight.stash, inflight.acc,
          inflight.loss))
     grads, loss_done, fwd_buf, bwd_buf, stash, acc, loss = fn(
         state.prev, state.cur, f.fwd_buf, f.bwd_buf, f.stash, f.acc, f.loss, f.tokens,
-        f.targets, tokens, targets, k)
-    params, opt_state, finite = self._update(state.cur, state.opt_state, grads, k > 0)
-    metrics = self._grad_metrics(grads, loss_done, k - 1, finite | (k == 0))
+        f.targets, tokens, targets, k, has_history)
     # Copies: the state is donated to the next step, the caller's batch is not.
     inflight = InFlight(fwd_buf, bwd_buf, stash, acc, loss, jnp.copy(tokens), jnp.copy(targets))
+    return grads, loss_done, inflight
+
+  def _step_fn(self, state, tokens, targets):
+    k = state.step
+    grads, loss_done, inflight = self._window(state, tokens, targets, k, k > 0)
+    params, opt_state, finite = self._update(state.cur, state.opt_state, grads, k > 0)
+    metrics = self._grad_metrics(grads, loss_done, k - 1, finite | (k == 0))
     return TwoBWState(k + 1, state.cur, params, opt_state, inflight), metrics
+
+  def restored_fields(self, state):
+    """Everything but the per-device in-flight buffers, whose layout is the mesh's."""
+    keep = super().restored_fields(state)
+    device = {n: jax.tree.map(lambda _: False, getattr(keep.inflight, n))
+              for n, kind in InFlight.KINDS.items() if kind == "device"}
+    return keep._replace(inflight=keep.inflight._replace(**device))
+
+  def relayout(self, restored, fresh):
+    """Re-pads the weights and rebuilds batch k-1's in-flight state on this mesh.
+
+    At the start of step k the pipeline holds what step k-1 did of batch
+    k-1, all of it at v[k-1] (`prev`): its first microbatches' stashes,
+    activations in transit, partial gradient and loss. Rerunning step k-1's
+    ticks without their batch-k-2 half, on v[k-1] and the saved batch k-1,
+    makes the same state in this mesh's layout (equal up to the order of
+    reductions), so step k applies batch k-1's gradient as it would have.
+    """
+    state = super().relayout(restored, fresh)
+    k = int(state.step)
+    if k == 0:
+      return state
+    f = state.inflight
+    start = state._replace(cur=state.prev, inflight=fresh.inflight._replace(
+        tokens=f.tokens, targets=f.targets))
+    shardings = self.state_shardings(fresh).inflight
+    rebuild = jax.jit(lambda st, tok, tgt: self._window(st, tok, tgt, st.step - 1,
+                                                         jnp.asarray(False))[2],
+                      out_shardings=shardings)
+    return state._replace(inflight=rebuild(start, f.tokens, f.targets))
 
   def pending_loss(self, state):
     """Loss of the last batch run (batch step-1) at the version it ran on."""

@@ -1,0 +1,178 @@
+"""Kills at any moment and resumes on another mesh: the run continues as if uninterrupted."""
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from jaxpipe import config, trainer
+from tests import _runs
+
+# 2bw on 2 stages with Muon and the correction: every kind of state a
+# checkpoint holds (two versions, in-flight buffers, delay and error buffers).
+KILLED = ["run.steps=8", "checkpoint.every=3", "eval.every=3", "pipeline.schedule=2bw",
+          "pipeline.stages=2", "optimizer.name=muon", "optimizer.error_feedback=1"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("cache"))
+  os.environ["JAXPIPE_CACHE"] = path
+  return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+  """The uninterrupted run: (training losses, validation losses) by step."""
+  run_dir = str(tmp_path_factory.mktemp("reference"))
+  p = _runs.run(run_dir, *KILLED, cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  return _runs.train_losses(run_dir), _runs.val_losses(run_dir)
+
+
+def _attempt(run_dir, cache, *extra):
+  """One attempt of the killed run's command (plus a fault hook); the finished process."""
+  return _runs.run(run_dir, *KILLED, *extra, cache_dir=cache)
+
+
+def _assert_as_uninterrupted(run_dir, reference):
+  losses, vals = reference
+  assert _runs.train_losses(run_dir) == losses
+  assert _runs.val_losses(run_dir) == vals
+  assert sorted(losses) == list(range(8)) and sorted(vals) == [0, 3, 6, 8]
+
+
+def test_kills_at_every_moment_continue_exactly(tmp_path, cache, reference):
+  """Killed before, during and after the first save, then at random: same losses, no traceback."""
+  run_dir = str(tmp_path / "run")
+  errs = []
+  # Before any checkpoint exists: the next attempt starts over.
+  p = _attempt(run_dir, cache, "run.debug_kill=record:1")
+  errs.append(p.stderr)
+  assert p.returncode == -signal.SIGKILL and _runs.checkpoints(run_dir) == []
+  assert sorted(_runs.train_losses(run_dir)) == [0, 1]
+  # While the first checkpoint is being written (asynchronously), not committed.
+  p = _attempt(run_dir, cache, "run.debug_kill=save:3")
+  errs.append(p.stderr)
+  assert p.returncode == -signal.SIGKILL
+  assert "starting over from step 0" in p.stderr
+  committed = _runs.checkpoints(run_dir)
+  # After the first checkpoint's save began, before the second's.
+  p = _attempt(run_dir, cache, "run.debug_kill=record:5")
+  errs.append(p.stderr)
+  assert p.returncode == -signal.SIGKILL
+  assert ("resuming from" if committed else "starting over") in p.stderr
+  # At a random moment of an attempt that resumes.
+  rng = random.Random(0)
+  proc = _runs.start(run_dir, *KILLED, cache_dir=cache)
+  try:
+    assert _runs.wait_for(lambda: len(_runs.train_losses(run_dir)) >= 6, timeout=240)
+    time.sleep(rng.uniform(0, 0.6))
+    _runs.kill(proc, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    errs.append(err)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  # Six records mean checkpoint 6's save began, after checkpoint 3's was committed.
+  p = _attempt(run_dir, cache)
+  errs.append(p.stderr)
+  assert p.returncode == 0, p.stderr
+  assert "resuming from" in p.stderr
+  _assert_as_uninterrupted(run_dir, reference)
+  assert not [e for e in errs if "Traceback" in e], errs
+
+
+def test_a_second_signal_stops_at_once_without_a_traceback(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  proc = _runs.start(run_dir, *KILLED, "run.steps=400", cache_dir=cache)
+  try:
+    assert _runs.wait_for(lambda: len(_runs.train_losses(run_dir)) >= 2, timeout=240)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)  # two pending signals of one kind would arrive as one
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  # The second signal lands while the first one's save runs (130), or after
+  # the process has saved and left (128 + SIGTERM); never a traceback.
+  assert proc.returncode in (130, 128 + signal.SIGTERM), err
+  assert "Traceback" not in err, err
+  if proc.returncode == 130:
+    assert "stopped at once by a second interrupt" in err
+
+
+def test_records_of_another_config_without_a_checkpoint_are_refused(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  p = _attempt(run_dir, cache, "run.debug_kill=record:0")
+  assert p.returncode == -signal.SIGKILL
+  p = _runs.run(run_dir, *KILLED, "optimizer.lr=1e-3", cache_dir=cache)
+  assert p.returncode == 2
+  err = p.stderr.strip().splitlines()
+  assert len(err) == 1 and "holds metrics of another run (optimizer.lr: 0.003 -> 0.001)" in err[0]
+  assert sorted(_runs.train_losses(run_dir)) == [0], "the earlier records were touched"
+
+
+def test_a_bad_kill_point_is_refused(tmp_path, cache):
+  p = _runs.run(str(tmp_path / "run"), "run.debug_kill=later:3", cache_dir=cache)
+  assert p.returncode == 2 and "run.debug_kill must be MOMENT:STEP" in p.stderr
+
+
+# --- resuming on another mesh -------------------------------------------------------
+
+
+def _train(run_dir, *overrides):
+  cfg = config.load(_runs.TINY, [f"run.dir={run_dir}", "checkpoint.async_save=false",
+                                 "eval.every=3", *overrides])
+  return trainer.train(cfg)
+
+
+MESHES = {
+    "none data 1 -> 2": (["optimizer.name=adamw"], ["mesh.data=1"], ["mesh.data=2"]),
+    "2bw data 2 -> 1": (["pipeline.schedule=2bw", "pipeline.stages=2", "optimizer.name=muon",
+                         "optimizer.error_feedback=1"], ["mesh.data=2"], ["mesh.data=1"]),
+    "2bw stages 2 -> 4": (["pipeline.schedule=2bw", "pipeline.microbatches=8",
+                           "optimizer.name=muon", "optimizer.error_feedback=1"],
+                          ["pipeline.stages=2"], ["pipeline.stages=4"]),
+    "1f1b stages 2 -> 4, data 1 -> 2": (["pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+                                        ["pipeline.stages=2"],
+                                        ["pipeline.stages=4", "mesh.data=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_resume_on_another_mesh_equals_the_uninterrupted_run(tmp_path, cache, name):
+  common, before, after = MESHES[name]
+  whole = _train(str(tmp_path / "whole"), "run.steps=6", *common, *before)
+  half = str(tmp_path / "half")
+  _train(half, "run.steps=3", *common, *before)
+  resumed = _train(half, "run.steps=6", *common, *after)
+  assert resumed["start_step"] == 3
+  a, b = _runs.train_losses(str(tmp_path / "whole")), _runs.train_losses(half)
+  assert sorted(a) == sorted(b) == list(range(6))
+  # Reductions run in another order on the new mesh: float32 rounding apart.
+  np.testing.assert_allclose([b[k] for k in range(6)], [a[k] for k in range(6)],
+                             rtol=1e-6, atol=0)
+  va, vb = _runs.val_losses(str(tmp_path / "whole")), _runs.val_losses(half)
+  assert sorted(va) == sorted(vb) == [0, 3, 6]
+  np.testing.assert_allclose([vb[k] for k in va], [va[k] for k in va], rtol=1e-6, atol=0)
+  # Weights are not compared element by element: Adam's update of a row
+  # whose gradient is rounding noise (a byte never seen) is that noise's sign
+  # times the learning rate, so one ulp apart in a gradient is a step apart.
+
+
+def test_pipedream_refuses_another_stage_count_and_takes_another_data_degree(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  common = ["pipeline.schedule=pipedream", "pipeline.microbatches=4"]
+  _train(run_dir, "run.steps=2", *common, "pipeline.stages=2")
+  p = _runs.run(run_dir, "run.steps=4", *common, "pipeline.stages=4", cache_dir=cache)
+  assert p.returncode == 2
+  err = p.stderr.strip().splitlines()[-1]
+  assert err.startswith("error: cannot resume") and "pipeline.stages=2 cannot continue with 4" in err
+  assert _runs.checkpoints(run_dir) == [2]
+  resumed = _train(run_dir, "run.steps=4", *common, "pipeline.stages=2", "mesh.data=2")
+  assert resumed["start_step"] == 2 and sorted(_runs.train_losses(run_dir)) == [0, 1, 2, 3]
