@@ -79,6 +79,15 @@ class ModelConfig:
   remat: str = "none"            # inside each block: none | full (recompute all) | dots (keep matmul outputs)
   param_dtype: str = "float32"   # master weights and optimizer state
   compute_dtype: str = "float32" # matmuls and activations (bfloat16 on accelerators)
+  # auto | xla | blockwise | cudnn. xla keeps [batch, heads, seq, seq]
+  # probabilities for the backward; blockwise and cudnn (NVIDIA GPUs, bf16/fp16)
+  # keep memory linear in seq; auto = cudnn where it runs, else blockwise above
+  # 1024 tokens, else xla (jaxpipe/model/_attention.py).
+  attention: str = "auto"
+  # Tokens whose float32 logits the head and loss compute at once; the
+  # backward recomputes each chunk's. 0 = a whole microbatch's at once
+  # (rows x seq x vocab x 4 bytes, kept for the backward).
+  loss_chunk: int = 0
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 
@@ -346,6 +355,9 @@ def validate(cfg: Config) -> None:
   _check(m.n_heads % m.n_kv_heads == 0,
          f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
   _check(m.remat in ("none", "full", "dots"), f"model.remat must be none, full or dots; got '{m.remat}'")
+  _check(m.attention in ("auto", "xla", "blockwise", "cudnn"),
+         f"model.attention must be auto, xla, blockwise or cudnn; got '{m.attention}'")
+  _check(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0 = no chunking), got {m.loss_chunk}")
   _check(r.peak_tflops >= 0, f"run.peak_tflops must be >= 0, got {r.peak_tflops}")
   profile_window(r.profile)
   kill_point(r.debug_kill)

@@ -96,7 +96,7 @@ def stage_fns(model: model_lib.Model) -> StageFns:
   """The model as a pipeline sees it: embedding, blocks, logits and vocabulary layout."""
   return StageFns(embed=model.embed, stage=model.apply_blocks, logits=model.logits,
                   vocab_size=model.cfg.vocab_size, vocab_axes=model.vocab_axes,
-                  prepare=model.compute_blocks)
+                  prepare=model.compute_blocks, loss_chunk=model.cfg.loss_chunk)
 
 
 def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import json
 import os
 import re
 import subprocess
@@ -378,6 +379,21 @@ def test_planner_cli_prints_the_table_and_warns(tmp_path):
   assert re.search(r"^  stash residuals s0=.*slowest / mean = 1\.000$", p.stdout, re.M), p.stdout
   assert "warning: 2bw needs pipeline.microbatches >= 2(S-1) = 6" in p.stdout
   assert "warning: gpipe idles 43%" in p.stdout
+
+
+def test_planner_json_puts_xla_beside_the_estimate():
+  p = _tool("planner", "--config", os.path.join(CONFIGS, "tiny.yaml"), "--compile", "--json",
+            "pipeline.schedule=2bw", "pipeline.stages=2", "pipeline.stash=residuals")
+  assert p.returncode == 0, p.stderr
+  out = json.loads(p.stdout)
+  assert out["config"]["schedule"] == "2bw" and out["config"]["stash"] == "residuals"
+  assert out["estimate_gib"] == out["estimates"]["2bw"]["residuals"] > 0
+  xla = out["xla"]
+  assert xla["resident"] == xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
+  assert out["xla_resident_gib"] == xla["resident"] / 2 ** 30
+  # The tiny model's step is small: a few MiB, estimated within a factor of two.
+  assert 0.5 < out["estimate_gib"] / out["xla_resident_gib"] < 2
+  assert out["estimates"]["2bw"]["inputs"] < out["estimates"]["2bw"]["residuals"]
 
 
 @pytest.mark.parametrize("args", [

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import types
@@ -476,6 +477,31 @@ def format_plan(p: Plan, device_gib: float) -> str:
   return "\n".join(lines)
 
 
+def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
+  """The plan as one JSON-ready dict.
+
+  At the top level, for the config's own schedule and stash: `estimate_gib`
+  (the planner's total per device) and `xla_resident_gib` (XLA's resident
+  bytes of the compiled step, None without --compile), with `xla` (XLA's
+  byte counts) beside them; under `estimates`, the planner's total for every
+  schedule and stash choice (None where a schedule cannot run the config).
+  """
+  cfg = p.cfg
+  gib = lambda n: None if n is None else n / 2 ** 30
+  out = {
+      "config": {"schedule": cfg.pipeline.schedule, "stash": cfg.pipeline.stash,
+                 "stages": cfg.pipeline.stages, "data": cfg.mesh.data,
+                 "microbatches": cfg.pipeline.microbatches},
+      "estimate_gib": gib(p.total(cfg.pipeline.schedule)),
+      "xla_resident_gib": gib(compiled["resident"]) if compiled else None,
+      "xla": compiled,
+      "estimates": {n: {st: gib(p.total(n, st)) for st in (STASHES if n != "none" else
+                                                            ("inputs",))}
+                    for n in SCHEDULES},
+  }
+  return out
+
+
 class _Parser(argparse.ArgumentParser):
   """Reports a usage error as one line, like every other bad input."""
 
@@ -493,6 +519,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="warn when a synchronous schedule idles more than this (default 0.25)")
   parser.add_argument("--compile", action="store_true",
                       help="also compile the config's step and print XLA's memory per device")
+  parser.add_argument("--json", action="store_true",
+                      help="print one JSON object instead of the report (with --compile: "
+                           "xla_resident_gib beside estimate_gib)")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. pipeline.microbatches=8")
   args = parser.parse_args(argv)
   try:
@@ -513,6 +542,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   except InputError as e:
     print(f"planner: {e}", file=sys.stderr)
     return 2
+  if args.json:
+    print(json.dumps(plan_json(result, compiled), sort_keys=True))
+    return 0
   print(format_plan(result, args.device_gib))
   if compiled is not None:
     est = result.total(cfg.pipeline.schedule)

@@ -80,6 +80,8 @@ class StageFns(NamedTuple):
     prepare: blocks -> the blocks as `stage` computes with them (the
       compute-dtype copy of the matrices), applied once per step; gradients
       come back in its dtypes and are accumulated in the parameters'.
+    loss_chunk: tokens whose logits the head computes at once (the backward
+      recomputes each chunk's); 0 = a whole microbatch's at once.
   """
   embed: Callable[[Tree, jax.Array], jax.Array]
   stage: Callable[[Tree, jax.Array], tuple[jax.Array, jax.Array]]
@@ -87,12 +89,16 @@ class StageFns(NamedTuple):
   vocab_size: int
   vocab_axes: Tree
   prepare: Callable[[Tree], Tree] = _same
+  loss_chunk: int = 0
 
   def loss(self, shared: Tree, x: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean cross-entropy of `x` over the whole vocabulary (one device, no mesh axis).
 
     A target outside the vocabulary makes the loss and its gradient NaN.
     """
+    if self.loss_chunk:
+      return _vocab.chunked_cross_entropy(self.logits, shared, x, targets, 0, self.vocab_size,
+                                          None, self.loss_chunk)
     logits = self.logits(shared, x)
     cols = jnp.arange(logits.shape[-1])
     z = jnp.where(cols < self.vocab_size, logits, -jnp.inf)
@@ -381,8 +387,8 @@ class Engine:
   def _head(self, ctx: _Ctx, shared: Tree, h: jax.Array, targets: jax.Array):
     """(loss, shared gradient slice, gradient of h summed over stages) of one microbatch."""
     def objective(sh, h):
-      return _vocab.cross_entropy(self.fns.logits(sh, h), targets, ctx.offset,
-                                  self.fns.vocab_size, STAGE)
+      return _vocab.chunked_cross_entropy(self.fns.logits, sh, h, targets, ctx.offset,
+                                          self.fns.vocab_size, STAGE, self.fns.loss_chunk)
 
     loss, pull = jax.vjp(objective, shared, h)
     g_shared, g_h = pull(jnp.ones_like(loss))
@@ -557,8 +563,9 @@ class Engine:
       y, aux = self.fns.stage(blocks, x)
       y = y.astype(buf.dtype)
       h = lax.psum(jnp.where(is_last, y, jnp.zeros_like(y)), STAGE)
-      loss = _vocab.cross_entropy(self.fns.logits(shared, h), targets[jnp.clip(last, 0, m - 1)],
-                                  offset, self.fns.vocab_size, STAGE)
+      loss = _vocab.chunked_cross_entropy(self.fns.logits, shared, h,
+                                          targets[jnp.clip(last, 0, m - 1)], offset,
+                                          self.fns.vocab_size, STAGE, self.fns.loss_chunk)
       total = total + jnp.where(f_ok, aux, 0.0) + jnp.where(last_ok & is_last, loss, 0.0)
       return (lax.ppermute(y, STAGE, to_next), total), None
 
