@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     # A second SIGINT/SIGTERM, or Ctrl-C before training began: stop at once.
     # Exiting without the interpreter's shutdown leaves a save in progress
     # unfinished (the next start ignores it) instead of tracing back from it.
-    print("stopped at once by a second interrupt, without saving; run the same command "
-          "to resume from the last checkpoint", file=sys.stderr, flush=True)
+    print("stopped at once by an interrupt, without saving; run the same command to resume "
+          "from the last checkpoint", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)  # pylint: disable=protected-access
   if summary["is_main"]:

@@ -9,6 +9,11 @@ A checkpoint at step n (n optimizer steps done) holds three items:
 orbax writes each checkpoint into a temporary directory and renames it when
 complete, so a process killed mid-save leaves the previous checkpoint intact
 and the next start ignores the partial one.
+
+A checkpoint written on one mesh can be read on another (`LAYOUT_KEYS`):
+`restore` reads it into the shardings of a state shaped like this run's;
+`saved_shapes` and `restore_arrays` read the arrays a changed mesh can use
+as they were saved, for the schedule to fit (`Schedule.relayout`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ RESUMABLE_KEYS = frozenset({
     "data.cache_dir", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
     "eval.every", "eval.batches", "dist.coordinator", "dist.num_processes", "dist.process_id",
     "run.debug_kill",
+    # How the same function is computed, not what the state holds: rounding apart.
+    "model.loss_chunk", "model.attention",
 })
 
 # Keys that change the mesh: a resumed run may change them where its schedule
@@ -64,8 +71,14 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
                        allowed=RESUMABLE_KEYS) -> list[str]:
-  """Lists `key: saved -> current` for every differing key not in `allowed`."""
-  a, b = _flatten(saved), _flatten(current)
+  """Lists `key: saved -> current` for every differing key not in `allowed`.
+
+  A key the saved config lacks (written before the key existed) counts as
+  its default value.
+  """
+  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
+  defaults = _flatten(config_lib.to_dict(config_lib.Config()))
+  a, b = {**defaults, **_flatten(saved)}, _flatten(current)
   diffs = []
   for key in sorted(set(a) | set(b)):
     if key in allowed:

@@ -36,7 +36,8 @@ from jaxpipe import data as data_lib
 from jaxpipe import launch
 from jaxpipe import model as model_lib
 from jaxpipe import optim
-from jaxpipe.checkpoint import Checkpointer, check_compatible, config_differences, path_key
+from jaxpipe.checkpoint import (LAYOUT_KEYS, RESUMABLE_KEYS, Checkpointer, check_compatible,
+                                config_differences, path_key)
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError
 from jaxpipe.pipeline import Schedule, StageFns, make_mesh, make_schedule
@@ -317,8 +318,8 @@ def _check_fresh_start(run_dir: str, cfg: Config, ckpt: Checkpointer) -> bool:
   if not (os.path.exists(path) and os.path.getsize(path) > 0):
     return False
   earlier = _earlier_config(run_dir)
-  diffs = (config_differences(earlier, config_lib.to_dict(cfg)) if earlier is not None
-           else ["no config.yaml"])
+  diffs = (config_differences(earlier, config_lib.to_dict(cfg), RESUMABLE_KEYS | LAYOUT_KEYS)
+           if earlier is not None else ["no config.yaml"])
   if diffs:
     shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
     raise CheckpointError(
@@ -391,6 +392,9 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool) -> dict[str, Any]
   else:
     meta = ckpt.read_meta(latest)
     check_compatible(meta.get("config", {}), config_lib.to_dict(cfg), ckpt.directory)
+    if latest > cfg.run.steps:
+      raise ConfigError(f"run.steps={cfg.run.steps} is below the newest checkpoint's step "
+                        f"({latest}) in {ckpt.directory}; give run.steps >= {latest}")
 
   need = cfg.pipeline.stages * cfg.mesh.data
   if is_main and need > 1 and jax.default_backend() == "cpu":
@@ -398,9 +402,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool) -> dict[str, Any]
          f"({jax.local_device_count()} per process)")
   schedule, lag = run.schedule, run.schedule.loss_lag
   batch_shape = run.batch_shape
-  params = jax.jit(run.model.init)(jax.random.key(cfg.run.seed))
-  state = schedule.init(params, batch_shape)
-  del params
+  state = schedule.init_sharded(run.model.init, jax.random.key(cfg.run.seed), batch_shape)
   # The run's RNG key, replicated over the mesh like the step counter.
   rng = jax.make_array_from_process_local_data(
       schedule.replicated(), np.asarray(jax.random.key_data(jax.random.key(cfg.run.seed))))

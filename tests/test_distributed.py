@@ -63,3 +63,14 @@ def test_two_processes_match_one_process(tmp_path, cache):
   assert _runs.val_losses(multi)[4] == pytest.approx(_runs.val_losses(single)[4], rel=1e-6)
   assert _runs.checkpoints(multi) == [2, 4]
   assert os.path.exists(os.path.join(multi, "checkpoints", "4", "state"))
+
+  # The two processes' checkpoint continues in one process on a 2 x 1 mesh
+  # (2bw's in-flight state rebuilt), as the one-process run continues on its own.
+  more = ("run.steps=6",)
+  assert _runs.run(single, *ARGS, *more, cache_dir=cache).returncode == 0
+  p = _runs.run(multi, *ARGS, *more, "mesh.data=1", cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  assert "resharded the checkpoint" in p.stderr
+  a, b = _runs.train_losses(single), _runs.train_losses(multi)
+  assert sorted(a) == sorted(b) == list(range(6))
+  assert [b[k] for k in range(6)] == pytest.approx([a[k] for k in range(6)], rel=1e-6, abs=0)

@@ -103,7 +103,7 @@ def test_a_second_signal_stops_at_once_without_a_traceback(tmp_path, cache):
   assert proc.returncode in (130, 128 + signal.SIGTERM), err
   assert "Traceback" not in err, err
   if proc.returncode == 130:
-    assert "stopped at once by a second interrupt" in err
+    assert "stopped at once by an interrupt, without saving" in err
 
 
 def test_records_of_another_config_without_a_checkpoint_are_refused(tmp_path, cache):
@@ -176,3 +176,37 @@ def test_pipedream_refuses_another_stage_count_and_takes_another_data_degree(tmp
   assert _runs.checkpoints(run_dir) == [2]
   resumed = _train(run_dir, "run.steps=4", *common, "pipeline.stages=2", "mesh.data=2")
   assert resumed["start_step"] == 2 and sorted(_runs.train_losses(run_dir)) == [0, 1, 2, 3]
+
+
+def test_config_yaml_records_the_tokenizer_of_the_data(tmp_path, cache):
+  import yaml  # pylint: disable=g-import-not-at-top
+  from jaxpipe import data  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / "gpt2-data")
+  rng = np.random.default_rng(0)
+  data.write_tokens(path, {"train": rng.integers(0, 500, 3000).astype(np.uint16),
+                           "val": rng.integers(0, 500, 500).astype(np.uint16)},
+                    vocab_size=50257, eos_id=50256, tokenizer="gpt2")
+  run_dir = str(tmp_path / "run")
+  # tiny.yaml says data.tokenizer: byte, which only the embedded corpus uses.
+  _train(run_dir, "run.steps=1", f"data.path={path}")
+  with open(os.path.join(run_dir, "config.yaml")) as f:
+    saved = yaml.safe_load(f)
+  assert saved["data"]["tokenizer"] == "gpt2" and saved["model"]["vocab_size"] == 50257
+
+
+def test_a_key_newer_than_the_checkpoint_counts_as_its_default():
+  from jaxpipe import checkpoint  # pylint: disable=g-import-not-at-top
+  now = config.to_dict(config.load(_runs.TINY, []))
+  older = {k: dict(v) if isinstance(v, dict) else v for k, v in now.items()}
+  del older["model"]["loss_chunk"]   # written before the key existed
+  assert checkpoint.config_differences(older, now) == []
+  older["model"]["dim"] = 16
+  assert checkpoint.config_differences(older, now) == ["model.dim: 16 -> 32"]
+
+
+def test_run_steps_below_the_checkpoint_is_refused(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  _train(run_dir, "run.steps=3")
+  p = _runs.run(run_dir, "run.steps=2", cache_dir=cache)
+  assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+  assert "run.steps=2 is below the newest checkpoint's step (3)" in p.stderr

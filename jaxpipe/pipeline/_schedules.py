@@ -343,6 +343,26 @@ class Schedule:
     abstract = jax.eval_shape(fn, params)
     return jax.jit(fn, out_shardings=self.state_shardings(abstract))(params)
 
+  def init_sharded(self, init: Any, rng: jax.Array, batch_shape: tuple[int, int, int],
+                   token_dtype=jnp.int32) -> NamedTuple:
+    """The initial state with parameters `init(rng)` made directly in their shardings.
+
+    Drawing the parameters, padding the vocabulary and building the state
+    are one jitted function with the state's output shardings, so XLA
+    partitions the random draws too (jax_threefry_partitionable, on by
+    default, makes each shard's numbers independent of the sharding): no
+    device ever holds more than its share, and the values equal
+    `init(params=init(rng))`'s.
+    """
+    return self.init_program(init, rng, batch_shape, token_dtype)(rng)
+
+  def init_program(self, init: Any, rng: jax.Array, batch_shape: tuple[int, int, int],
+                   token_dtype=jnp.int32):
+    """The jitted rng -> initial state function `init_sharded` runs (for inspection)."""
+    fn = lambda r: self._init_fn(init(r), batch_shape=tuple(batch_shape),
+                                 token_dtype=token_dtype)
+    return jax.jit(fn, out_shardings=self.state_shardings(jax.eval_shape(fn, rng)))
+
   def _init_fn(self, params, *, batch_shape, token_dtype):
     del batch_shape, token_dtype
     params = self._pad(params)
