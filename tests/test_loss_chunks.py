@@ -35,7 +35,8 @@ CFG = ModelConfig(vocab_size=61, dim=32, n_layers=1, n_heads=4, n_kv_heads=2)
 ROWS, SEQ = 3, 10   # 30 tokens per microbatch
 # One token at a time; 7 does not divide 30 (four full chunks and one of 2
 # real tokens and 5 of padding); 10 divides it; the whole count; beyond it.
-CHUNKS = [1, 7, 10, 30, 64]
+# 7 does not divide the 30 tokens, 10 does, 64 exceeds them.
+CHUNKS = [7, 10, 64]
 TIES = pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 
 VALUE_TOL = dict(rtol=1e-6, atol=1e-7)
@@ -166,7 +167,7 @@ def _vocab_parallel(m: model_lib.Model, chunk: int, params, x, targets, num_stag
   return loss, _vocab.unpad_vocab(g_shared, axes, m.cfg.vocab_size), g_x
 
 
-VOCAB_CASES = [(61, 0), (61, 7), (61, 64), (64, 1), (64, 10)]
+VOCAB_CASES = [(61, 0), (61, 7), (64, 10)]
 
 
 @TIES
@@ -228,7 +229,8 @@ def test_bad_target_gives_nan_loss_and_gradient(chunk, bad, tie):
 # 32 tokens per microbatch (16 per data shard at D=2): chunks of 5 leave a
 # padded last chunk.
 CHUNKED = util.config(loss_chunk=5)
-SCHEDULE_CASES = [("2bw", (2, 1, 2)), ("gpipe", (2, 2, 3)), ("none", (1, 1, 2))]
+# none trains with StageFns.loss, whose chunking test_chunked_stage_fns_loss checks.
+SCHEDULE_CASES = [("2bw", (2, 1, 2)), ("gpipe", (2, 2, 3))]
 
 
 @pytest.mark.parametrize("schedule,shape", SCHEDULE_CASES,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpipe import config, trainer
+from jaxpipe.errors import CheckpointError
 from tests import _runs
 
 # 2bw on 2 stages with Muon and the correction: every kind of state a
@@ -133,11 +134,12 @@ def _train(run_dir, *overrides):
 
 MESHES = {
     "none data 1 -> 2": (["optimizer.name=adamw"], ["mesh.data=1"], ["mesh.data=2"]),
-    "2bw data 2 -> 1": (["pipeline.schedule=2bw", "pipeline.stages=2", "optimizer.name=muon",
-                         "optimizer.error_feedback=1"], ["mesh.data=2"], ["mesh.data=1"]),
-    "2bw stages 2 -> 4": (["pipeline.schedule=2bw", "pipeline.microbatches=8",
-                           "optimizer.name=muon", "optimizer.error_feedback=1"],
-                          ["pipeline.stages=2"], ["pipeline.stages=4"]),
+    # The in-flight state rebuilt for another data and stage count at once (2 x 2 to 4 x 1).
+    "2bw stages 2 -> 4, data 2 -> 1": (["pipeline.schedule=2bw", "pipeline.microbatches=8",
+                                        "data.batch_size=16",
+                                        "optimizer.name=muon", "optimizer.error_feedback=1"],
+                                       ["pipeline.stages=2", "mesh.data=2"],
+                                       ["pipeline.stages=4", "mesh.data=1"]),
     "1f1b stages 2 -> 4, data 1 -> 2": (["pipeline.schedule=1f1b", "pipeline.microbatches=4"],
                                         ["pipeline.stages=2"],
                                         ["pipeline.stages=4", "mesh.data=2"]),
@@ -169,10 +171,8 @@ def test_pipedream_refuses_another_stage_count_and_takes_another_data_degree(tmp
   run_dir = str(tmp_path / "run")
   common = ["pipeline.schedule=pipedream", "pipeline.microbatches=4"]
   _train(run_dir, "run.steps=2", *common, "pipeline.stages=2")
-  p = _runs.run(run_dir, "run.steps=4", *common, "pipeline.stages=4", cache_dir=cache)
-  assert p.returncode == 2
-  err = p.stderr.strip().splitlines()[-1]
-  assert err.startswith("error: cannot resume") and "pipeline.stages=2 cannot continue with 4" in err
+  with pytest.raises(CheckpointError, match="pipeline.stages=2 cannot continue with 4"):
+    _train(run_dir, "run.steps=4", *common, "pipeline.stages=4")
   assert _runs.checkpoints(run_dir) == [2]
   resumed = _train(run_dir, "run.steps=4", *common, "pipeline.stages=2", "mesh.data=2")
   assert resumed["start_step"] == 2 and sorted(_runs.train_losses(run_dir)) == [0, 1, 2, 3]
