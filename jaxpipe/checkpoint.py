@@ -39,6 +39,8 @@ RESUMABLE_KEYS = frozenset({
     "run.debug_kill",
     # How the same function is computed, not what the state holds: rounding apart.
     "model.loss_chunk", "model.attention",
+    # Where a fresh run's weights came from; a resumed run has its own.
+    "model.init_from",
 })
 
 # Keys that change the mesh: a resumed run may change them where its schedule

@@ -88,6 +88,11 @@ class ModelConfig:
   # backward recomputes each chunk's. 0 = a whole microbatch's at once
   # (rows x seq x vocab x 4 bytes, kept for the backward).
   loss_chunk: int = 0
+  # A Hugging Face Llama directory (config.json, model.safetensors) whose weights
+  # a fresh run starts from instead of a random init; the model.* keys must
+  # match its shape (docs/huggingface.md). A resumed run reads its own
+  # checkpoint and never this directory again.
+  init_from: str = ""
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 

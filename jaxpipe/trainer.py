@@ -39,7 +39,7 @@ from jaxpipe import optim
 from jaxpipe.checkpoint import (LAYOUT_KEYS, RESUMABLE_KEYS, Checkpointer, check_compatible,
                                 config_differences, path_key)
 from jaxpipe.config import Config
-from jaxpipe.errors import CheckpointError, ConfigError, DataError
+from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
 from jaxpipe.pipeline import Schedule, StageFns, make_mesh, make_schedule
 
 __all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED"]
@@ -283,12 +283,19 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   EXIT_INTERRUPTED+signal.
   """
   run = build(cfg, devices)
+  init_params = None
+  if (run.cfg.model.init_from and not require_resume
+      and not os.path.isdir(os.path.join(run.cfg.run.dir, "checkpoints"))):
+    # Surely a fresh run: read model.init_from before anything is written, so
+    # a bad directory leaves nothing in run.dir. With a checkpoints/
+    # directory, _train decides (a resumed run never reads it).
+    init_params = _read_init_from(run.cfg)
   os.makedirs(run.cfg.run.dir, exist_ok=True)
   ckpt = Checkpointer(os.path.join(run.cfg.run.dir, "checkpoints"),
                       keep=run.cfg.checkpoint.keep, async_save=run.cfg.checkpoint.async_save)
   abandon = False
   try:
-    return _train(run, ckpt, require_resume)
+    return _train(run, ckpt, require_resume, init_params)
   except KeyboardInterrupt:
     abandon = True  # stop now: a save in progress is left unfinished, and ignored later
     raise
@@ -370,14 +377,46 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   return new_state, restored[1], data_state
 
 
+def _read_init_from(cfg: Config) -> Any:
+  """model.init_from's weights (numpy, natural shapes), checked against cfg.model."""
+  from jaxpipe import hf  # pylint: disable=g-import-not-at-top
+  try:
+    return hf.load_params(cfg.model.init_from, cfg.model)
+  except InputError as e:
+    raise ConfigError(f"model.init_from: {e}") from None
+
+
+def _initial_state(run: Run, params: Any, batch_shape):
+  """The schedule's initial state around given weights (natural shapes, on the host)."""
+  schedule = run.schedule
+
+  def pad(x, axis):
+    # The state's vocabulary is padded to a multiple of the stages (with zeros).
+    if axis is None or x.shape[axis] == schedule.vocab:
+      return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, schedule.vocab - x.shape[axis])
+    return np.pad(x, widths)
+
+  shared = {k: v for k, v in params.items() if k != "blocks"}
+  shared = jax.tree.map(pad, shared, run.model.vocab_axes, is_leaf=lambda a: a is None)
+  params = {**shared, "blocks": params["blocks"]}
+  # Each device receives only its shard, straight from the host arrays.
+  placed = jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]),
+      params, schedule.param_shardings(params))
+  return schedule.init(placed, batch_shape)
+
+
 def _kill_at(point: Optional[tuple[str, int]], moment: str, step: int) -> None:
   """`run.debug_kill`: SIGKILL this process at the named moment (for tests of kills)."""
   if point == (moment, step):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _train(run: Run, ckpt: Checkpointer, require_resume: bool) -> dict[str, Any]:
-  """The body of `train`, with the checkpointer it closes."""
+def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
+           init_params: Any = None) -> dict[str, Any]:
+  """The body of `train`, with the checkpointer it closes (and model.init_from's weights)."""
   cfg = run.cfg
   is_main = jax.process_index() == 0
   run_dir = cfg.run.dir
@@ -402,7 +441,13 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool) -> dict[str, Any]
          f"({jax.local_device_count()} per process)")
   schedule, lag = run.schedule, run.schedule.loss_lag
   batch_shape = run.batch_shape
-  state = schedule.init_sharded(run.model.init, jax.random.key(cfg.run.seed), batch_shape)
+  if latest is None and cfg.model.init_from:
+    state = _initial_state(run, init_params if init_params is not None
+                           else _read_init_from(cfg), batch_shape)
+    if is_main:
+      _say(f"initialised the weights from {cfg.model.init_from}")
+  else:
+    state = schedule.init_sharded(run.model.init, jax.random.key(cfg.run.seed), batch_shape)
   # The run's RNG key, replicated over the mesh like the step counter.
   rng = jax.make_array_from_process_local_data(
       schedule.replicated(), np.asarray(jax.random.key_data(jax.random.key(cfg.run.seed))))

@@ -693,11 +693,7 @@ def test_prepare_data_cli(tmp_path):
 
 
 def _tool():
-  sys.path.insert(0, os.path.dirname(TOOL))
-  try:
-    import prepare_data  # pylint: disable=g-import-not-at-top
-  finally:
-    sys.path.pop(0)
+  from jaxpipe.cli import prepare_data  # pylint: disable=g-import-not-at-top
   return prepare_data
 
 

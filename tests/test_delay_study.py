@@ -77,7 +77,7 @@ def test_table_has_every_cell_and_the_recovered_share_is_right(study):
   for png in ("val_curves.png", "gap_vs_length.png"):
     assert os.path.getsize(os.path.join(study, png)) > 1000
   # Each cell is an ordinary run directory that plot_loss reads.
-  import plot_loss  # pylint: disable=g-import-not-at-top
+  from jaxpipe.cli import plot_loss  # pylint: disable=g-import-not-at-top
   train, val = plot_loss.read_metrics(os.path.join(study, "adamw-delay-ef-s0"))
   assert [r["step"] for r in train] == [0, 1] and val[-1]["step"] == 2
 

@@ -357,7 +357,7 @@ def _step_together(a: _Pinned, b: _Pinned) -> float:
 
 def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *, pairs: int,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = SCHEDULES[1:],
-             log=print) -> list[dict[str, Any]]:
+             settle_s: float = 90.0, log=print) -> list[dict[str, Any]]:
   """Speed-up of S=2 pipelines on two cores over one device on one core.
 
   For each vocabulary it starts, each in its own process: the one-device
@@ -371,6 +371,8 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   steps the reference together with a copy of it pinned to the other core
   ('hardware': what the two cores give two processes that share nothing). Returns one row
   per (vocabulary, configuration) with the median speed-up and its spread.
+  Before timing it waits up to `settle_s` for the 1-minute load average to fall
+  below 2.5.
   """
   from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   rows = []
@@ -388,8 +390,8 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
       for w in workers + [twin]:
         w.ready()
       # The compilations just before raise the 1-minute load average; let it
-      # decay (up to 90 s) so that the load recorded is the timing's own.
-      deadline = time.time() + 90
+      # decay so that the load recorded is the timing's own.
+      deadline = time.time() + settle_s
       while os.getloadavg()[0] > 2.5 and time.time() < deadline:
         time.sleep(5)
       timing_load = load()

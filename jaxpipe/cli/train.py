@@ -1,0 +1,97 @@
+"""Pretrains a Llama-style model with a pipeline schedule.
+
+  python train.py --config configs/quickstart.yaml [section.key=value ...]
+  jaxpipe-train --config configs/quickstart.yaml [section.key=value ...]   (installed)
+
+Running the same command again resumes from the newest checkpoint in run.dir;
+a larger run.steps continues a finished run. Exit status: 0 done, 2 bad input
+(one line on stderr), 3 stopped on a non-finite loss (nan_policy=stop),
+128+signal when SIGTERM/SIGINT stopped it after saving a checkpoint, 130 when
+a second signal stopped it at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):
+    print(f"error: {message} (usage: python train.py --config FILE [key=value ...])",
+          file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None) -> int:
+  """Parses the command line, trains (or resumes) and returns the exit status."""
+  parser = _Parser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
+  parser.add_argument("--resume", action="store_true",
+                      help="require a checkpoint in run.dir to resume from")
+  parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=3e-4")
+  args = parser.parse_args(argv)
+
+  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxpipe import launch  # pylint: disable=g-import-not-at-top
+  from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = config_lib.load(args.config, args.overrides)
+    launch.prepare_devices(cfg)  # must run before JAX starts its backend
+    from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+    launch.start(cfg)
+    summary = trainer.train(cfg, require_resume=args.resume)
+  except InputError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    # A second SIGINT/SIGTERM, or Ctrl-C before training began: stop at once.
+    # Exiting without the interpreter's shutdown leaves a save in progress
+    # unfinished (the next start ignores it) instead of tracing back from it.
+    print("stopped at once by an interrupt, without saving; run the same command to resume "
+          "from the last checkpoint", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)  # pylint: disable=protected-access
+  if summary["is_main"]:
+    print(trainer.format_summary(summary), flush=True)
+    if summary["exit_code"] == 0:
+      print(next_steps(cfg.run.dir), flush=True)
+  return summary["exit_code"]
+
+
+def _here(path: str) -> str:
+  """`path` relative to the working directory when it lies below it, else absolute."""
+  rel = os.path.relpath(path)
+  return path if rel.startswith("..") else rel
+
+
+def _clone_root():
+  """The clone this jaxpipe runs from (it has tools/), or None for an installed package."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  return root if os.path.isdir(os.path.join(root, "tools")) else None
+
+
+def next_steps(run_dir: str) -> str:
+  """What a user can do with a finished run (sample, plot, export, view), as commands."""
+  root, bindir = _clone_root(), os.path.dirname(sys.executable)
+
+  def command(tool: str, script: str) -> str:
+    if root is None:
+      return script
+    return (f"{shlex.quote(_here(sys.executable))} "
+            f"{shlex.quote(_here(os.path.join(root, 'tools', tool + '.py')))}")
+
+  d, q = shlex.quote(run_dir), lambda *p: shlex.quote(os.path.join(run_dir, *p))
+  tensorboard = (shlex.quote(_here(os.path.join(bindir, "tensorboard"))) if root else "tensorboard")
+  extra = (f"{shlex.quote(_here(os.path.join(bindir, 'pip')))} install -e '.[tensorboard]'"
+           if root else "pip install 'jaxpipe[tensorboard]'")
+  return "\n".join([
+      "next:",
+      f"  sample  {command('generate', 'jaxpipe-generate')} --run {d} --prompt 'And God said'",
+      f"  plot    {command('plot_loss', 'jaxpipe-plot')} {d} --out {q('loss.png')}",
+      f"  export  {command('export_hf', 'jaxpipe-export-hf')} --run {d} --out {q('hf')}"
+      "   (a Hugging Face Llama directory)",
+      f"  view    {tensorboard} --logdir {q('tb')}   (after {extra})",
+  ])
