@@ -336,18 +336,27 @@ def _check_fresh_start(run_dir: str, cfg: Config, ckpt: Checkpointer) -> bool:
   return True
 
 
+def _saved_layout(run: Run, ckpt: Checkpointer, step: int,
+                  saved: dict[str, Any]) -> tuple[int, int]:
+  """(stages, data) checkpoint `step` was written on; refused if this schedule cannot continue it."""
+  cfg = run.cfg
+  s_old = saved.get("pipeline", {}).get("stages", cfg.pipeline.stages)
+  d_old = saved.get("mesh", {}).get("data", cfg.mesh.data)
+  if (s_old, d_old) != (cfg.pipeline.stages, cfg.mesh.data):
+    try:
+      run.schedule.check_relayout(s_old, d_old)
+    except ValueError as e:
+      raise CheckpointError(f"cannot resume {ckpt.directory}/{step}: {e}") from None
+  return s_old, d_old
+
+
 def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], state, rng):
   """Checkpoint `step` as (state, rng, data state), on this run's mesh whatever it was saved on."""
   cfg, schedule = run.cfg, run.schedule
-  s_old = saved.get("pipeline", {}).get("stages", cfg.pipeline.stages)
-  d_old = saved.get("mesh", {}).get("data", cfg.mesh.data)
+  s_old, d_old = _saved_layout(run, ckpt, step, saved)
   if (s_old, d_old) == (cfg.pipeline.stages, cfg.mesh.data):
     (state, rng), data_state, _ = ckpt.restore(step, (state, rng))
     return state, rng, data_state
-  try:
-    schedule.check_relayout(s_old, d_old)
-  except ValueError as e:
-    raise CheckpointError(f"cannot resume {ckpt.directory}/{step}: {e}") from None
   shapes = ckpt.saved_shapes(step)
   keep = (schedule.restored_fields(state), True)
   abstract = {}
@@ -434,6 +443,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
     if latest > cfg.run.steps:
       raise ConfigError(f"run.steps={cfg.run.steps} is below the newest checkpoint's step "
                         f"({latest}) in {ckpt.directory}; give run.steps >= {latest}")
+    _saved_layout(run, ckpt, latest, meta.get("config", {}))  # before anything compiles
 
   need = cfg.pipeline.stages * cfg.mesh.data
   if is_main and need > 1 and jax.default_backend() == "cpu":

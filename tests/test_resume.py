@@ -2,6 +2,7 @@
 
 import os
 import random
+import shutil
 import signal
 import time
 
@@ -149,10 +150,13 @@ MESHES = {
 @pytest.mark.parametrize("name", list(MESHES))
 def test_resume_on_another_mesh_equals_the_uninterrupted_run(tmp_path, cache, name):
   common, before, after = MESHES[name]
-  whole = _train(str(tmp_path / "whole"), "run.steps=6", *common, *before)
+  _train(str(tmp_path / "whole"), "run.steps=6", "checkpoint.every=3", *common, *before)
+  # The same run as if it had stopped after step 3 (records past it are
+  # replaced on resume): its checkpoint 3, written on the old mesh.
   half = str(tmp_path / "half")
-  _train(half, "run.steps=3", *common, *before)
-  resumed = _train(half, "run.steps=6", *common, *after)
+  shutil.copytree(str(tmp_path / "whole"), half)
+  shutil.rmtree(os.path.join(half, "checkpoints", "6"))
+  resumed = _train(half, "run.steps=6", "checkpoint.every=3", *common, *after)
   assert resumed["start_step"] == 3
   a, b = _runs.train_losses(str(tmp_path / "whole")), _runs.train_losses(half)
   assert sorted(a) == sorted(b) == list(range(6))

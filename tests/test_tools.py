@@ -178,11 +178,16 @@ def test_bench_bubbles_come_from_the_same_timetable():
 
 
 def test_bench_tiny_run_times_every_schedule():
-  """S=2, M=2, a tiny model, one timed step: every schedule, finite times, memory, targets."""
+  """S=2, M=2, a tiny model, one timed step: three schedules, finite times, memory, targets.
+
+  (gpipe and pipedream run through the same Runner; leaving them out halves
+  the compiles.)
+  """
   bench = _load("bench_pipeline")
   shape = bench.ModelShape(dim=32, layers=2, heads=2, kv_heads=1, seq_len=16, micro_rows=2)
-  rows = bench.measure(shape, 2, 2, warmup=1, repeats=1, log=lambda _: None)
-  assert [r["schedule"] for r in rows] == ["none", "gpipe", "1f1b", "2bw", "pipedream"]
+  rows = bench.measure(shape, 2, 2, warmup=1, repeats=1, schedules=("none", "1f1b", "2bw"),
+                       log=lambda _: None)
+  assert [r["schedule"] for r in rows] == ["none", "1f1b", "2bw"]
   for r in rows:
     assert math.isfinite(r["step_s"]) and r["step_s"] > 0, r
     assert math.isfinite(r["cpu_s"]) and r["cpu_s"] > 0, r
@@ -199,11 +204,14 @@ def test_bench_tiny_run_times_every_schedule():
   fake_compile = [{"microbatches": 2, "compile_s": 1.0, "compile_cpu_s": 2.0},
                   {"microbatches": 8, "compile_s": 1.5, "compile_cpu_s": 2.2}]
   result = bench.targets(rows, fake_compile)
-  assert [t["status"] in ("PASS", "MISS") for t in result] == [True] * 4
+  # gpipe is not in the rows: its target is left out, the others stay.
+  assert [t["target"] for t in result] == ["2bw step / 1f1b step", "2bw step / one-device step",
+                                           "2bw compile M=8 / M=2"]
+  assert [t["status"] in ("PASS", "MISS") for t in result] == [True] * 3
   assert result[-1]["wall"] == pytest.approx(1.5) and result[-1]["status"] == "MISS"
   assert result[-1]["cpu"] == pytest.approx(1.1) and result[-1]["cpu_status"] == "PASS"
-  two_over_gpipe = by["2bw"]["step_s"] / by["gpipe"]["step_s"]
-  assert result[0]["wall"] == pytest.approx(two_over_gpipe)
+  two_over_1f1b = by["2bw"]["step_s"] / by["1f1b"]["step_s"]
+  assert result[0]["wall"] == pytest.approx(two_over_1f1b)
   assert "PASS" in bench.target_table(result)
 
 

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,12 +32,22 @@ def test_every_config_parses(path):
     assert set(yaml.safe_load(f)) <= set(config.to_dict(cfg))
 
 
-def test_pulse(tmp_path, cache):
+@pytest.fixture(scope="module")
+def pulse(tmp_path_factory, cache):
+  """A finished two-step run of the tiny config: (run_dir, the process)."""
+  run_dir = str(tmp_path_factory.mktemp("pulse") / "run")
+  return run_dir, _runs.run(run_dir, "run.steps=2", cache_dir=cache)
+
+
+def test_pulse(pulse):
   """Two steps write config, metrics, a checkpoint and a summary line."""
-  run_dir = str(tmp_path / "run")
-  p = _runs.run(run_dir, "run.steps=2", cache_dir=cache)
+  run_dir, p = pulse
   assert p.returncode == 0, p.stderr
   assert "jaxpipe none" in p.stdout and "val loss" in p.stdout
+  # The summary says what to do next, as commands that run from here.
+  nxt = p.stdout[p.stdout.index("next:"):]
+  for tool in ("generate.py --run", "plot_loss.py", "export_hf.py --run", "--logdir"):
+    assert f"{tool} " in nxt and run_dir in nxt, nxt
   recs = _runs.records(run_dir)
   train = [r for r in recs if "loss" in r]
   assert [r["step"] for r in train] == [0, 1]
@@ -86,23 +97,7 @@ def _assert_same_run(run_dir, reference):
   assert _runs.val_losses(run_dir)[30] == vals[30]
 
 
-def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, reference):
-  run_dir = str(tmp_path / "killed")
-  proc = _runs.start(run_dir, "run.steps=30", "checkpoint.every=3", *PIPE, cache_dir=cache)
-  try:
-    assert _runs.wait_for(lambda: _runs.checkpoints(run_dir)), "no checkpoint appeared"
-    _runs.kill(proc, signal.SIGKILL)
-    proc.wait(timeout=60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  assert proc.returncode == -signal.SIGKILL
-  done = _runs.train_losses(run_dir)
-  assert len(done) < 30, "the run finished before it could be killed"
-  p = _runs.run(run_dir, "run.steps=30", "checkpoint.every=3", *PIPE, cache_dir=cache)
-  assert p.returncode == 0, p.stderr
-  assert "resuming from" in p.stderr
-  _assert_same_run(run_dir, reference)
+# SIGKILL at any moment, with exact continuation: tests/test_resume.py.
 
 
 def test_sigterm_saves_and_resumes_exactly(tmp_path, cache, reference):
@@ -169,9 +164,10 @@ def test_config_that_is_a_directory_exits_2_with_one_line(tmp_path, cache):
   assert not run_dir.exists()
 
 
-def test_mismatched_resume_is_refused_and_nothing_is_lost(tmp_path, cache):
+def test_mismatched_resume_is_refused_and_nothing_is_lost(tmp_path, cache, pulse):
   run_dir = str(tmp_path / "run")
-  assert _runs.run(run_dir, "run.steps=2", cache_dir=cache).returncode == 0
+  assert pulse[1].returncode == 0
+  shutil.copytree(pulse[0], run_dir)
   before = {p: open(p, "rb").read() for p in glob.glob(run_dir + "/**", recursive=True)
             if os.path.isfile(p)}
   p = _runs.run(run_dir, "run.steps=4", "model.dim=64", cache_dir=cache)
@@ -194,9 +190,9 @@ def test_moe_in_bfloat16_trains_with_2bw(tmp_path, cache):
   assert vals[3] < vals[0]
 
 
-def test_plot_tool_draws_a_run(tmp_path, cache):
-  run_dir = str(tmp_path / "run")
-  assert _runs.run(run_dir, "run.steps=3", cache_dir=cache).returncode == 0
+def test_plot_tool_draws_a_run(tmp_path, pulse):
+  run_dir, p = pulse
+  assert p.returncode == 0
   out = tmp_path / "loss.png"
   p = subprocess.run([sys.executable, os.path.join(_runs.ROOT, "tools", "plot_loss.py"),
                       run_dir, run_dir, "--labels", "a", "b", "--out", str(out)],
