@@ -219,7 +219,11 @@ def test_command_prints_the_continuation_of_a_run(run_dir, capsys):
                      top_k=40, top_p=0.95, seed=3, eos_id=tok.eos_id,
                      context_len=cfg.data.seq_len)[0]
   text = tok.decode(new[:-1] if new and new[-1] == tok.eos_id else new)
-  assert text and out.out == text + "\n"
+  assert text and out.out == prompt + text + "\n"
+  assert cli.main(["--run", run_dir, "--prompt", prompt, "--max-new-tokens", "12",
+                   "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--seed", "3",
+                   "--only-new"]) == 0
+  assert capsys.readouterr().out == text + "\n"
 
 
 def test_command_reads_a_hugging_face_directory(run_dir, tmp_path, capsys):

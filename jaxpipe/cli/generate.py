@@ -4,7 +4,8 @@
   python tools/generate.py --hf path/to/llama_dir --prompt "Once upon a time" --top-p 0.9
   jaxpipe-generate --run runs/quickstart --prompt "..."   (installed)
 
-Prints the continuation (not the prompt) as text on stdout. It stops at the
+Prints the prompt and its continuation as text on stdout (--only-new: the
+continuation alone). It stops at the
 tokenizer's end-of-text token (not printed), after --max-new-tokens tokens,
 or where prompt and continuation reach the model's context length (a run's
 data.seq_len, a Hugging Face config's max_position_embeddings), whichever
@@ -57,7 +58,7 @@ def _load_hf(path: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Parses arguments, loads the model, prints the continuation; returns the exit status."""
+  """Parses arguments, loads the model, prints prompt and continuation; returns the exit status."""
   parser = _Parser(prog="generate", description=__doc__.split("\n\n")[0])
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--run", metavar="RUN_DIR", help="a run.dir that train.py wrote")
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--top-p", type=float, default=None,
                       help="sample from the nucleus of probability mass P, in (0, 1]")
   parser.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
+  parser.add_argument("--only-new", action="store_true",
+                      help="print the continuation alone (default: the prompt, then it)")
   args = parser.parse_args(argv)
 
   from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   ended = bool(new) and new[-1] == tokenizer.eos_id
   text = tokenizer.decode(new[:-1] if ended else new)
-  print(text, flush=True)
+  print(text if args.only_new else args.prompt + text, flush=True)
   if not ended and len(new) < args.max_new_tokens and context is not None:
     print(f"note: stopped at the context length of {context} tokens (prompt {len(prompt)} + "
           f"{len(new)} new)", file=sys.stderr)
