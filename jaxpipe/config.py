@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
-OPTIMIZERS = ("adamw", "muon", "lion", "adan", "sgd")
+OPTIMIZERS = ("adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap")
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 
 
@@ -118,9 +118,9 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  name: str = "adamw"            # adamw | muon | lion | adan | sgd
+  name: str = "adamw"            # adamw | muon | lion | adan | sgd | mars | normuon | soap
   lr: float = 3e-3               # peak learning rate (Muon: of the hidden matrices)
-  adam_lr: float = 0.0           # Muon only: AdamW rate for embeddings, head, norms; 0 = lr
+  adam_lr: float = 0.0           # muon, normuon, mars: rate of their AdamW group; 0 = lr
   weight_decay: float = 0.1      # decoupled; never applied to norms and biases
   b1: float = 0.9
   b2: float = 0.95
@@ -128,6 +128,14 @@ class OptimizerConfig:
   momentum: float = 0.95         # Muon momentum
   nesterov: bool = True          # Muon Nesterov momentum
   ns_steps: int = 5              # Muon Newton-Schulz iterations
+  ns_coeffs: str = "jordan"      # Newton-Schulz quintics: jordan | polar_express (one per step)
+  normuon_b2: float = 0.95       # NorMuon: decay of the per-output-neuron second moment
+  mars_gamma: float = 0.025      # MARS: c = g + gamma * b1/(1-b1) * (g - g_prev)
+  mars_b1: float = 0.95          # MARS moments on matrices; b1, b2: its AdamW on norms
+  mars_b2: float = 0.99
+  precondition_frequency: int = 10  # SOAP: steps between eigenbasis refreshes (paper: 10)
+  shampoo_beta: float = 0.95     # SOAP: decay of its factors L, R (paper: = b2, 0.95)
+  max_precond_dim: int = 10000   # SOAP: a matrix side longer than this is not rotated (paper: 10000)
   schedule: str = "cosine"       # constant | cosine | wsd (warmup-stable-decay)
   warmup_steps: int = 0
   min_lr_ratio: float = 0.1      # final lr of cosine / wsd as a fraction of lr
@@ -413,6 +421,15 @@ def validate(cfg: Config) -> None:
   _check(o.clip_norm >= 0, f"optimizer.clip_norm must be >= 0, got {o.clip_norm}")
   # A negative decoupled decay grows the weights every step instead of shrinking them.
   _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+  _check(o.ns_coeffs in ("jordan", "polar_express"),
+         f"optimizer.ns_coeffs must be jordan or polar_express; got '{o.ns_coeffs}'")
+  for key in ("normuon_b2", "mars_b1", "mars_b2"):
+    _check(0.0 <= getattr(o, key) < 1.0, f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
+  _check(o.mars_gamma >= 0, f"optimizer.mars_gamma must be >= 0, got {o.mars_gamma}")
+  _check(o.precondition_frequency >= 1,
+         f"optimizer.precondition_frequency must be >= 1, got {o.precondition_frequency}")
+  _check(0.0 <= o.shampoo_beta < 1.0, f"optimizer.shampoo_beta must be in [0, 1), got {o.shampoo_beta}")
+  _check(o.max_precond_dim >= 0, f"optimizer.max_precond_dim must be >= 0, got {o.max_precond_dim}")
   _check(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
   _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
   _check(cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}")

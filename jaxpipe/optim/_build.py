@@ -8,7 +8,10 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import optax
 
+from jaxpipe.optim import _mars
+from jaxpipe.optim import _normuon
 from jaxpipe.optim import _optimizers
+from jaxpipe.optim import _soap
 from jaxpipe.optim import _wrappers
 
 if TYPE_CHECKING:
@@ -121,8 +124,13 @@ def build(
   - clip: `optax.clip_by_global_norm(cfg.clip_norm)` over the whole tree
     (0 = off);
   - optimizer by `cfg.name`: `adamw` and Muon's AdamW group use `b1`, `b2`,
-    `eps`; `muon` uses `momentum`, `nesterov`, `ns_steps`; `sgd` uses
-    `momentum` and `nesterov`; `lion` and `adan` keep their own betas (their
+    `eps`; `muon` uses `momentum`, `nesterov`, `ns_steps`, `ns_coeffs`;
+    `normuon` those and `normuon_b2`; `mars` uses `mars_gamma`, `mars_b1`,
+    `mars_b2` on its matrices and `b1`, `b2` on norms and biases (muon,
+    normuon and mars take `adam_lr` for their AdamW group); `sgd` uses
+    `momentum` and `nesterov`; `soap` uses `b1`, `b2`, `eps` (both its
+    groups, one rate), `shampoo_beta`, `precondition_frequency` and
+    `max_precond_dim`; `lion` and `adan` keep their own betas (their
     meaning differs from Adam's) and use `eps` where they have one. All take
     `weight_decay` with the default decay mask;
   - error feedback with c = `cfg.error_feedback` (0 = off), its buffer in
@@ -157,15 +165,32 @@ def build(
   if cfg.name == "adamw":
     opt = _optimizers.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                             weight_decay=wd)
-  elif cfg.name == "muon":
+  elif cfg.name in ("muon", "normuon", "mars"):
     adam_lr = lr
     if cfg.adam_lr:
       adam_lr = learning_rate_schedule(
           dataclasses.replace(cfg, lr=cfg.adam_lr), total_steps)
-    opt = _optimizers.muon(
-        lr, adam_learning_rate=adam_lr, momentum=cfg.momentum,
-        nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, weight_decay=wd,
-        b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    if cfg.name == "mars":
+      opt = _mars.mars(
+          lr, adam_learning_rate=adam_lr, gamma=cfg.mars_gamma,
+          b1=cfg.mars_b1, b2=cfg.mars_b2, adam_b1=cfg.b1, adam_b2=cfg.b2,
+          eps=cfg.eps, weight_decay=wd)
+    else:
+      shared = dict(
+          adam_learning_rate=adam_lr, momentum=cfg.momentum,
+          nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+          ns_coeffs=cfg.ns_coeffs, weight_decay=wd, b1=cfg.b1, b2=cfg.b2,
+          eps=cfg.eps)
+      if cfg.name == "normuon":
+        opt = _normuon.normuon(lr, neuron_b2=cfg.normuon_b2, **shared)
+      else:
+        opt = _optimizers.muon(lr, **shared)
+  elif cfg.name == "soap":
+    opt = _soap.soap(
+        lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd,
+        shampoo_beta=cfg.shampoo_beta,
+        precondition_frequency=cfg.precondition_frequency,
+        max_precond_dim=cfg.max_precond_dim)
   elif cfg.name == "lion":
     opt = _optimizers.lion(lr, weight_decay=wd)
   elif cfg.name == "adan":
@@ -175,7 +200,7 @@ def build(
                           weight_decay=wd)
   else:
     raise ValueError(f"unknown optimizer {cfg.name!r}; expected adamw, muon, "
-                     "lion, adan or sgd")
+                     "normuon, mars, soap, lion, adan or sgd")
   if cfg.clip_norm > 0:
     opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
   if cfg.error_feedback > 0:

@@ -9,21 +9,61 @@ that let stacked layers and experts be orthogonalised matrix by matrix.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
 from jaxpipe.optim import _grouping
 
-__all__ = ["NS_COEFFS", "adamw", "adan", "lion", "muon", "sgd"]
+__all__ = [
+    "NS_COEFFS", "POLAR_EXPRESS_COEFFS", "adamw", "adan", "lion", "muon", "sgd",
+]
 
 # Quintic Newton-Schulz coefficients of Jordan's Muon: they maximise the slope
 # at zero, so 5 steps push every singular value into roughly [0.7, 1.2]
 # rather than converging to exactly 1.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+# Polar Express (Amsel et al., arXiv 2505.16932, Algorithm 1, degree 5): one
+# quintic per iteration, each the minimax (sup-norm) best approximation of
+# sign(x) on the interval of singular values that the previous ones leave,
+# starting from [1e-3, 1]. Early polynomials are aggressive, later ones
+# converge, so 5 iterations land much closer to 1 than Jordan's fixed quintic.
+# These are the numbers printed in the paper's Algorithm 1 (also in its code,
+# github.com/NoahAmsel/PolarExpress).
+_POLAR_EXPRESS_PAPER = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+# The paper's safety factor (its section 4.4): each polynomial but the last is
+# evaluated at x / 1.01, so that round-off in low precision cannot push a
+# singular value past the interval the next polynomial was fitted on.
+_POLAR_EXPRESS_SAFETY = 1.01
+
+
+def _at_scaled_input(coeffs: Sequence[float], s: float) -> tuple[float, ...]:
+  # p(x / s) for p(x) = a x + b x^3 + c x^5.
+  a, b, c = coeffs
+  return (a / s, b / s**3, c / s**5)
+
+
+# Per-iteration coefficients after the safety factor, as Algorithm 1 uses
+# them; iterations past the eighth repeat the last row.
+POLAR_EXPRESS_COEFFS = tuple(
+    _at_scaled_input(c, _POLAR_EXPRESS_SAFETY)
+    for c in _POLAR_EXPRESS_PAPER[:-1]) + (_POLAR_EXPRESS_PAPER[-1],)
+_NS_PRESETS = ("jordan", "polar_express")
 
 # Last two axes are (in, out) as in flax kernels; leading axes are batch axes.
 _MATRIX_DIMS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
@@ -105,18 +145,58 @@ def _scale_by_shape(
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _checked_labels(labels: Any) -> Callable[[Any], Any]:
-  """Resolves a label tree or rule, refusing labels that Muon cannot serve."""
-  labels = _grouping.param_labels if labels is None else labels
+def _ns_schedule(ns_coeffs: str | Sequence[Any], ns_steps: int) -> Any:
+  """The Newton-Schulz coefficients to give optax's Muon for `ns_steps`.
+
+  A flat (a, b, c) is returned as it is (one quintic for every step); a name
+  or a sequence of (a, b, c) rows becomes exactly `ns_steps` rows: the first
+  `ns_steps`, the last row repeated if there are fewer, as in Polar Express.
+  """
+  if isinstance(ns_coeffs, str):
+    if ns_coeffs == "jordan":
+      return NS_COEFFS
+    if ns_coeffs != "polar_express":
+      raise ValueError(f"unknown ns_coeffs {ns_coeffs!r}; expected one of "
+                       f"{_NS_PRESETS} or coefficients")
+    # Algorithm 1 normalises by 1.01 * ||X||_F, optax's Muon by ||X||_F + eps;
+    # evaluating the first polynomial at x / 1.01 is the same thing.
+    rows = ((_at_scaled_input(POLAR_EXPRESS_COEFFS[0], _POLAR_EXPRESS_SAFETY),)
+            + POLAR_EXPRESS_COEFFS[1:])
+  else:
+    rows = tuple(ns_coeffs)
+    if len(rows) == 3 and all(np.ndim(r) == 0 for r in rows):
+      return ns_coeffs
+    if not rows or any(np.ndim(r) != 1 or len(r) != 3 for r in rows):
+      raise ValueError("ns_coeffs must be (a, b, c) or a sequence of them, "
+                       f"got {ns_coeffs!r}")
+    rows = tuple(tuple(r) for r in rows)
+  try:
+    steps = operator.index(ns_steps)
+  except TypeError:
+    # optax.inject_hyperparams passes every int argument in traced.
+    raise ValueError(
+        "per-step ns_coeffs need a static ns_steps; under "
+        "optax.inject_hyperparams name 'ns_steps' in static_args") from None
+  if steps < 1:
+    raise ValueError(f"ns_steps must be >= 1, got {steps}")
+  return rows[:steps] + rows[-1:] * max(0, steps - len(rows))
+
+
+def _checked_labels(
+    labels: Any, *, main: str = "muon",
+    default: Callable[[Any], Any] = _grouping.param_labels,
+) -> Callable[[Any], Any]:
+  """Resolves a label tree or rule, refusing labels that no group serves."""
+  labels = default if labels is None else labels
 
   def resolved(params):
     tree = _grouping.resolve(labels, params)
 
     def check(path, label, p):
-      if label not in ("muon", "adam"):
+      if label not in (main, "adam"):
         raise ValueError(f"param label {label!r} at "
-                         f"{jax.tree_util.keystr(path)} is neither 'muon' "
-                         "nor 'adam'")
+                         f"{jax.tree_util.keystr(path)} is neither "
+                         f"{main!r} nor 'adam'")
       if label == "muon" and p.ndim < 2:
         # Caught here, with the leaf's path, rather than as a reshape error
         # deep inside optax's Newton-Schulz.
@@ -129,6 +209,64 @@ def _checked_labels(labels: Any) -> Callable[[Any], Any]:
   return resolved
 
 
+def _with_adamw(
+    main: optax.GradientTransformation,
+    labels: Callable[[Any], Any],
+    *,
+    main_label: str,
+    learning_rate: ScalarOrSchedule,
+    adam_learning_rate: ScalarOrSchedule | None,
+    b1: float | jax.Array,
+    b2: float | jax.Array,
+    eps: float | jax.Array,
+    mu_dtype: Any | None,
+    weight_decay: float | jax.Array,
+    weight_decay_mask: Mask | None,
+) -> optax.GradientTransformationExtraArgs:
+  """`main` on leaves labelled `main_label`, Adam's direction on `'adam'` ones.
+
+  Then the masked decoupled decay and each group's learning rate, so both
+  groups are `W -= eta_group (direction + lambda W)`.
+  """
+  if adam_learning_rate is None:
+    adam_learning_rate = learning_rate
+  direction = optax.partition(
+      {
+          main_label: main,
+          "adam": optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype),
+      },
+      labels)
+  step_size = optax.partition(
+      {
+          main_label: optax.scale_by_learning_rate(learning_rate),
+          "adam": optax.scale_by_learning_rate(adam_learning_rate),
+      },
+      labels)
+  return _dtype_stable(optax.chain(
+      direction,
+      optax.add_decayed_weights(
+          weight_decay, _mask_or_default(weight_decay_mask)),
+      step_size,
+  ))
+
+
+def _orthogonalised_momentum(
+    dims_fn: Callable[[Any], Any],
+    *,
+    momentum: float | jax.Array,
+    nesterov: bool,
+    ns_steps: int,
+    ns_coeffs: str | Sequence[Any],
+    eps: float | jax.Array,
+    mu_dtype: Any | None,
+) -> optax.GradientTransformation:
+  """Muon's direction before its scale: NS(momentum), each matrix alone."""
+  return optax.contrib.scale_by_muon(
+      ns_coeffs=_ns_schedule(ns_coeffs, ns_steps), ns_steps=ns_steps,
+      beta=momentum, eps=eps,
+      mu_dtype=mu_dtype, nesterov=nesterov, weight_dimension_numbers=dims_fn)
+
+
 def muon(
     learning_rate: ScalarOrSchedule,
     *,
@@ -136,7 +274,7 @@ def muon(
     momentum: float | jax.Array = 0.95,
     nesterov: bool = True,
     ns_steps: int = 5,
-    ns_coeffs: tuple[float, float, float] = NS_COEFFS,
+    ns_coeffs: str | Sequence[Any] = "jordan",
     weight_decay: float | jax.Array = 0.1,
     b1: float | jax.Array = 0.9,
     b2: float | jax.Array = 0.95,
@@ -161,7 +299,9 @@ def muon(
   where hats are optax's bias corrections, NS_5 is five quintic Newton-Schulz
   steps with coefficients (3.4445, -4.7750, 2.0315) on the Frobenius-normalised
   matrix (singular values end in roughly [0.7, 1.2], not exactly 1: the
-  coefficients trade exactness for speed), m x n is the matrix shape, eta the
+  coefficients trade exactness for speed; `ns_coeffs="polar_express"` takes
+  a different quintic per step instead, Amsel et al. 2025, whose 5 steps end
+  much closer to 1), m x n is the matrix shape, eta the
   learning rate and lambda the decoupled weight decay. All other leaves take
   AdamW, `W -= eta_adam (m_hat / (sqrt(v_hat) + eps) + lambda W)`, without
   decay on norms and biases.
@@ -198,7 +338,11 @@ def muon(
     momentum: Muon's momentum beta.
     nesterov: Nesterov momentum for Muon.
     ns_steps: Newton-Schulz iterations.
-    ns_coeffs: the quintic's coefficients (a, b, c).
+    ns_coeffs: `"jordan"` (`NS_COEFFS` at every step), `"polar_express"`
+      (`POLAR_EXPRESS_COEFFS`, one row per step, with the paper's 1.01
+      normalisation folded into the first), one (a, b, c) for every step, or
+      a sequence of them, one per step (the last repeats if `ns_steps` is
+      larger; extra rows are ignored).
     weight_decay: decoupled decay lambda, multiplied by each group's rate.
     b1: AdamW's first-moment decay.
     b2: AdamW's second-moment decay.
@@ -234,35 +378,23 @@ def muon(
 
     Liu et al., `Muon is Scalable for LLM Training
     <https://arxiv.org/abs/2502.16982>`_, 2025
+
+    Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their
+    Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_,
+    2025
   """
-  if adam_learning_rate is None:
-    adam_learning_rate = learning_rate
-  labels = _checked_labels(param_labels)
   dims_fn = _dims_fn(dimension_numbers)
-  direction = optax.partition(
-      {
-          "muon": optax.chain(
-              optax.contrib.scale_by_muon(
-                  ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=momentum,
-                  eps=eps, mu_dtype=mu_dtype, nesterov=nesterov,
-                  weight_dimension_numbers=dims_fn),
-              _scale_by_shape(dims_fn, consistent_rms),
-          ),
-          "adam": optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype),
-      },
-      labels)
-  step_size = optax.partition(
-      {
-          "muon": optax.scale_by_learning_rate(learning_rate),
-          "adam": optax.scale_by_learning_rate(adam_learning_rate),
-      },
-      labels)
-  return _dtype_stable(optax.chain(
-      direction,
-      optax.add_decayed_weights(
-          weight_decay, _mask_or_default(weight_decay_mask)),
-      step_size,
-  ))
+  matrix = optax.chain(
+      _orthogonalised_momentum(
+          dims_fn, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+          ns_coeffs=ns_coeffs, eps=eps, mu_dtype=mu_dtype),
+      _scale_by_shape(dims_fn, consistent_rms),
+  )
+  return _with_adamw(
+      matrix, _checked_labels(param_labels), main_label="muon",
+      learning_rate=learning_rate, adam_learning_rate=adam_learning_rate,
+      b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype, weight_decay=weight_decay,
+      weight_decay_mask=weight_decay_mask)
 
 
 def adamw(
