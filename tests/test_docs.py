@@ -24,6 +24,9 @@ def test_readme_opens_with_the_two_commands():
   assert len(commands) == 2
   assert commands[0].endswith("train.py --config configs/quickstart.yaml")
   assert commands[1].endswith("-m pytest")
+  # .ci/run takes the line two below "Run the tests:" (the line after ```bash).
+  at = next(i for i, l in enumerate(lines) if l.startswith("Run the tests:"))
+  assert lines[at + 2] == commands[1]
 
 
 def test_relative_links_point_at_files():
