@@ -340,7 +340,9 @@ def test_planner_residuals_of_full_remat_are_the_block_inputs():
 def test_planner_smollm_360m_matches_hand_computation():
   from jaxpipe.cli import planner  # pylint: disable=g-import-not-at-top
   from jaxpipe import config as config_lib
-  cfg = config_lib.load(os.path.join(CONFIGS, "smollm-360m.yaml"), ["pipeline.stash=inputs"])
+  # At 16 microbatches (the config ships 32), which the numbers below assume.
+  cfg = config_lib.load(os.path.join(CONFIGS, "smollm-360m.yaml"),
+                        ["pipeline.stash=inputs", "pipeline.microbatches=16"])
   p = planner.plan(cfg, device_gib=80, work=False)
   # 32 blocks of width 960, 15 / 5 heads, SwiGLU 2560, tied GPT-2 embedding
   # (50257 rows, padded to 50260 and split in 4), final norm; 4 stages of 8
