@@ -235,13 +235,7 @@ class Checkpointer:
     return {path_key(p): x for p, x in flat}, dict(out["data"])
 
   def _reader(self) -> ocp.CheckpointManager:
-    # The state item was written by StandardSave; reading a subset of it
-    # needs the PyTree handler underneath, in a manager of its own.
-    return ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(create=False),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                       "data": ocp.JsonCheckpointHandler(),
-                       "meta": ocp.JsonCheckpointHandler()})
+    return read_only_manager(self.directory)
 
   def wait(self) -> None:
     """Blocks until background saves are on disk."""
@@ -253,3 +247,16 @@ class Checkpointer:
       manager, self._manager = self._manager, None
       manager.wait_until_finished()
       manager.close()
+
+
+def read_only_manager(directory: str) -> ocp.CheckpointManager:
+  """An orbax manager that reads a checkpoint directory: creates nothing, cleans nothing up.
+
+  The state item was written by StandardSave; reading a subset of it needs
+  the PyTree handler underneath, in a manager of its own.
+  """
+  return ocp.CheckpointManager(
+      directory, options=ocp.CheckpointManagerOptions(create=False),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                     "data": ocp.JsonCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()})

@@ -47,12 +47,8 @@ def _read_config(run_dir: str) -> Config:
 
 def _reader(ckpt_dir: str):
   """A read-only orbax manager: no directory created, no partial save cleaned up."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  return ocp.CheckpointManager(
-      ckpt_dir, options=ocp.CheckpointManagerOptions(create=False),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                     "data": ocp.JsonCheckpointHandler(),
-                     "meta": ocp.JsonCheckpointHandler()})
+  from jaxpipe import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint.read_only_manager(ckpt_dir)
 
 
 def checkpoint_steps(run_dir: str) -> list[int]:
@@ -152,13 +148,10 @@ def _param_keys(model) -> list[str]:
   return [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if isinstance(tree, dict):
-    out = {}
-    for k, v in tree.items():
-      out.update(_flatten(v, f"{prefix}{k}."))
-    return out
-  return {prefix[:-1]: tree}
+def _flatten(tree: Any) -> dict[str, Any]:
+  """{'a': {'b': x}} -> {'a.b': x} (the dotted names of checkpoint fields)."""
+  from jaxpipe import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint._flatten(tree)  # pylint: disable=protected-access
 
 
 def _saved_tree(ckpt_dir: str, step: int) -> tuple[list[Any], dict[str, Any]]:

@@ -398,18 +398,7 @@ def _read_init_from(cfg: Config) -> Any:
 def _initial_state(run: Run, params: Any, batch_shape):
   """The schedule's initial state around given weights (natural shapes, on the host)."""
   schedule = run.schedule
-
-  def pad(x, axis):
-    # The state's vocabulary is padded to a multiple of the stages (with zeros).
-    if axis is None or x.shape[axis] == schedule.vocab:
-      return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, schedule.vocab - x.shape[axis])
-    return np.pad(x, widths)
-
-  shared = {k: v for k, v in params.items() if k != "blocks"}
-  shared = jax.tree.map(pad, shared, run.model.vocab_axes, is_leaf=lambda a: a is None)
-  params = {**shared, "blocks": params["blocks"]}
+  params = schedule.pad(params)  # still on the host
   # Each device receives only its shard, straight from the host arrays.
   placed = jax.tree.map(
       lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]),

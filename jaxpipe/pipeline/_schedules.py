@@ -315,6 +315,10 @@ class Schedule:
 
   # --- vocabulary padding --------------------------------------------------------
 
+  def pad(self, params: Tree) -> Tree:
+    """Natural parameters with the vocabulary padded as the state holds it (NumPy stays NumPy)."""
+    return self._pad(params)
+
   def _pad(self, params: Tree) -> Tree:
     blocks, shared = split_params(params)
     self._check_shared(shared)

@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Tree = Any
@@ -47,10 +48,16 @@ def padded_vocab(vocab_size: int, num_stages: int) -> int:
 def _resize(x: jax.Array, axis: int, size: int) -> jax.Array:
   if x.shape[axis] == size:
     return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, max(0, size - x.shape[axis]))
+  if isinstance(x, np.ndarray):
+    # Host arrays (weights read from disk) stay on the host, so that each
+    # device can then be given only its shard.
+    cut = [slice(None)] * x.ndim
+    cut[axis] = slice(0, size)
+    return np.pad(x[tuple(cut)], pad)
   if x.shape[axis] > size:
     return lax.slice_in_dim(x, 0, size, axis=axis)
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
   return jnp.pad(x, pad)
 
 
