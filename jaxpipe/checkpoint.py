@@ -38,7 +38,7 @@ RESUMABLE_KEYS = frozenset({
     "eval.every", "eval.batches", "dist.coordinator", "dist.num_processes", "dist.process_id",
     "run.debug_kill",
     # How the same function is computed, not what the state holds: rounding apart.
-    "model.loss_chunk", "model.attention",
+    "model.loss_chunk", "model.attention", "mesh.shard_optimizer",
     # Where a fresh run's weights came from; a resumed run has its own.
     "model.init_from",
 })

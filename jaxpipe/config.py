@@ -114,6 +114,7 @@ class PipelineConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = 1                  # D: data-parallel replicas; the mesh is stage x data
+  shard_optimizer: bool = True   # ZeRO-1: optimizer state split over the D replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,12 @@ class OptimizerConfig:
   mars_gamma: float = 0.025      # MARS: c = g + gamma * b1/(1-b1) * (g - g_prev)
   mars_b1: float = 0.95          # MARS moments on matrices; b1, b2: its AdamW on norms
   mars_b2: float = 0.99
+  lion_b1: float = 0.9           # Lion: interpolation of the update direction (Chen et al.: 0.9)
+  lion_b2: float = 0.99          # Lion: momentum decay (Chen et al.: 0.99)
+  adan_b1: float = 0.98          # Adan, optax's convention: b = 1 - the Adan paper's beta;
+  adan_b2: float = 0.92          #   the paper's defaults (0.02, 0.08, 0.01)
+  adan_b3: float = 0.99
+  adan_form: str = "paper"       # paper (the Adan paper's update) | optax (optax.adan: difference weighted 1 - b2)
   precondition_frequency: int = 10  # SOAP: steps between eigenbasis refreshes (paper: 10)
   shampoo_beta: float = 0.95     # SOAP: decay of its factors L, R (paper: = b2, 0.95)
   max_precond_dim: int = 10000   # SOAP: a matrix side longer than this is not rotated (paper: 10000)
@@ -144,6 +151,7 @@ class OptimizerConfig:
   delay: int = 0                 # simulated gradient delay in steps (schedule=none only)
   error_feedback: float = 0.0    # correction coefficient c; 0 = off
   ef_dtype: str = ""             # dtype of the correction buffer; "" = the parameters'
+  weight_prediction: float = 0.0  # horizon s: gradients at w + s * (last update) (schedule none only); 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +405,9 @@ def validate(cfg: Config) -> None:
            "choose stages that divide the layers")
     _check(o.delay == 0, f"optimizer.delay={o.delay} simulates a delay for schedule none only; "
            f"schedule {p.schedule} has its own (2bw: one step)")
+    _check(o.weight_prediction == 0,
+           f"optimizer.weight_prediction={o.weight_prediction} runs with schedule none only (the "
+           f"one-device simulation); inside {p.schedule} it would need one more weight version")
   if p.schedule == "2bw" and p.stages > 1:
     _check(p.microbatches >= 2 * (p.stages - 1),
            f"pipeline.microbatches={p.microbatches} is too few for 2bw with {p.stages} stages; "
@@ -413,6 +424,12 @@ def validate(cfg: Config) -> None:
   _check(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
   _check(o.delay >= 0, f"optimizer.delay must be >= 0, got {o.delay}")
   _check(o.error_feedback >= 0, f"optimizer.error_feedback must be >= 0, got {o.error_feedback}")
+  _check(o.weight_prediction >= 0,
+         f"optimizer.weight_prediction must be >= 0, got {o.weight_prediction}")
+  _check(o.adan_form in ("paper", "optax"),
+         f"optimizer.adan_form must be paper or optax; got '{o.adan_form}'")
+  for key in ("lion_b1", "lion_b2", "adan_b1", "adan_b2", "adan_b3"):
+    _check(0.0 <= getattr(o, key) < 1.0, f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
   _check(o.ef_dtype in ("", "float32", "bfloat16", "float16"),
          f"optimizer.ef_dtype must be empty, float32, bfloat16 or float16; got '{o.ef_dtype}'")
   _check(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")

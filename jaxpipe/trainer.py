@@ -120,7 +120,9 @@ def build(cfg: Config, devices=None) -> Run:
   devices = jax.devices() if devices is None else devices
   launch.check_devices(cfg, devices)
   mesh = make_mesh(p.stages, cfg.mesh.data, devices)
-  schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash)
+  schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash,
+                           shard_optimizer=cfg.mesh.shard_optimizer,
+                           predict=optim.predicted_params if cfg.optimizer.weight_prediction else None)
   return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
 
 

@@ -145,23 +145,23 @@ def optimizer(name: str, *, ef: float = 0.0, delay: int = 0, ef_outside: bool = 
 
 def run(schedule: str, num_stages: int, num_data: int, num_microbatches: int, opt: str, *,
         ef: float = 0.0, delay: int = 0, ef_outside: bool = False, clip: float = 0.0,
-        stash: str = "inputs", cfg: ModelConfig = CONFIG) -> Run:
+        stash: str = "inputs", cfg: ModelConfig = CONFIG, shard_optimizer: bool = True) -> Run:
   """Trains STEPS steps with a schedule; cached for the session.
 
   `stash` is the pipeline's ('inputs' or 'residuals'); `schedule=none` has no
   stash, so its runs are one cache entry whatever `stash` says. `cfg` is the
   model (CONFIG or a `config(...)` variant); its batches draw tokens from
-  its vocabulary.
+  its vocabulary. `shard_optimizer` is the schedule's (ZeRO-1 over 'data').
   """
   if schedule == "none":
     stash = "inputs"
   return _run(schedule, num_stages, num_data, num_microbatches, opt, ef, delay, ef_outside,
-              clip, stash, cfg)
+              clip, stash, cfg, shard_optimizer)
 
 
 @functools.cache
 def _run(schedule, num_stages, num_data, num_microbatches, opt, ef, delay, ef_outside, clip,
-         stash, cfg) -> Run:
+         stash, cfg, shard_optimizer) -> Run:
   """`run`, with every argument explicit so that equal runs share one cache entry.
 
   The step is compiled once, through `lower_step` for its HLO; `step` then
@@ -174,7 +174,8 @@ def _run(schedule, num_stages, num_data, num_microbatches, opt, ef, delay, ef_ou
   m = num_microbatches
   sch = make_schedule(schedule, stage_fns(cfg),
                       optimizer(opt, ef=ef, delay=delay, ef_outside=ef_outside, clip=clip),
-                      make_mesh(num_stages, num_data), m, stash=stash)
+                      make_mesh(num_stages, num_data), m, stash=stash,
+                      shard_optimizer=shard_optimizer)
   params = jax.tree.map(jnp.asarray, initial_params(cfg))
   state = sch.init(params, (m, ROWS, SEQ))
   losses, norms, loss_steps, hlo = {}, {}, [], None

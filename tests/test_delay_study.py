@@ -226,3 +226,63 @@ def test_a_directory_the_tool_did_not_make_is_left_alone(tmp_path):
   with pytest.raises(delay_study.StudyError, match="not made by this tool"):
     delay_study.cell_state(cell, _runs.TINY)
   assert (run_dir / "metrics.jsonl").exists()
+
+
+def test_weight_prediction_setting_is_enumerated_summarised_and_tabled(tmp_path):
+  """delay-wp, from fixture metrics: its cell sets the trainer key, its gap and
+  recovered share are computed like the correction's, and the table grows its columns."""
+  plan = delay_study.Plan(_runs.TINY, delay_study.config_lib.load(_runs.TINY, []), (),
+                          str(tmp_path))
+  cells = delay_study.study_cells(plan, ["adamw"], list(delay_study.SETTINGS), [0],
+                                  {"adamw": 1e-3}, 4, 2)
+  wp = next(c for c in cells if c.setting == "delay-wp")
+  assert "optimizer.weight_prediction=1.0" in wp.overrides
+  assert "optimizer.delay=1" in wp.overrides
+  assert all("optimizer.weight_prediction=0.0" in c.overrides for c in cells if c is not wp)
+  finals = {"sync": 2.0, "delay": 2.4, "delay-ef": 2.1, "delay-wp": 2.3}
+  for c in cells:
+    os.makedirs(c.run_dir)
+    with open(os.path.join(c.run_dir, "metrics.jsonl"), "w") as f:
+      for step, val in ((0, 5.0), (2, finals[c.setting] + 0.5), (4, finals[c.setting])):
+        f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
+  row = delay_study.summarize(cells, ["adamw"], [0], 1000, 100)["optimizers"]["adamw"]
+  assert row["predicted_gap"] == pytest.approx(0.3)
+  assert row["recovered_wp"] == pytest.approx(0.25)
+  assert row["recovered"] == pytest.approx(0.75)
+  assert row["gap_curve"]["delay-wp"] == {0: 0.0, 2: pytest.approx(0.3), 4: pytest.approx(0.3)}
+  table = delay_study.markdown_table({"optimizers": {"adamw": row}})
+  assert "recovered by WP" in table.splitlines()[0]
+  assert "| 2.3000 | +0.3000 | 25% |" in table
+  # Without delay-wp runs the table keeps its old columns.
+  cells3 = [c for c in cells if c is not wp]
+  row3 = delay_study.summarize(cells3, ["adamw"], [0], 1000, 100)["optimizers"]["adamw"]
+  assert "WP" not in delay_study.markdown_table({"optimizers": {"adamw": row3}})
+
+
+def test_size_report_orders_sizes_and_tables_the_gaps(tmp_path):
+  """--size-report from fixture results.json files: smallest model first, every gap."""
+  dirs = []
+  for name, params, gap in (("big", 200_000, 0.04), ("small", 20_000, 0.09)):
+    d = tmp_path / name
+    d.mkdir()
+    row = {"lr": 0.012, "gap": gap, "corrected_gap": gap / 4, "recovered": 0.75,
+           "settings": {"sync": {"mean": 1.0}, "delay": {"mean": 1.0 + gap},
+                        "delay-ef": {"mean": 1.0 + gap / 4}}}
+    opts = {"muon": row, **({"lion": row} if name == "big" else {})}  # lion: one size only
+    (d / "results.json").write_text(json.dumps({
+        "summary": {"params": params, "optimizers": opts},
+        "meta": {"tokens_per_param": 13.4, "epochs": 0.75}}))
+    dirs.append(str(d))
+  out = tmp_path / "sizes"
+  p = tool("--size-report", ",".join(dirs), "--out", str(out), cache=str(tmp_path / "c"))
+  assert p.returncode == 0, p.stderr
+  got = json.loads((out / "sizes.json").read_text())["optimizers"]
+  assert list(got) == ["muon"]
+  got = got["muon"]
+  assert [r["params"] for r in got] == [20_000, 200_000]
+  assert [r["gap"] for r in got] == [0.09, 0.04]
+  md = (out / "sizes.md").read_text()
+  assert "| muon | 20,000 | 13.4 | 0.012 | 1.0000 | 1.0900 | 1.0225 | +0.0900 | +0.0225 | 75% |" in md
+  assert (out / "gap_vs_size.png").stat().st_size > 1000
+  bad = tool("--size-report", dirs[0], "--out", str(out), cache=str(tmp_path / "c"))
+  assert bad.returncode == 2 and "at least two" in bad.stderr

@@ -418,7 +418,7 @@ def test_default_muon_is_unchanged_bit_for_bit():
 # --------------------------------------------------------------------------
 # build and config
 
-def test_build_mars_and_normuon_match_factories():
+def test_build_matches_factories_with_the_config_betas():
   params, grads = _hand_case()
   common = dict(lr=0.01, schedule="constant", clip_norm=0.0, weight_decay=0.05)
   cases = [
@@ -429,6 +429,12 @@ def test_build_mars_and_normuon_match_factories():
                        normuon_b2=0.9, **common),
        optim.normuon(0.01, ns_coeffs="polar_express", neuron_b2=0.9,
                      weight_decay=0.05)),
+  ]
+  cases += [
+      (OptimizerConfig(name="lion", lion_b1=0.95, lion_b2=0.98, **common),
+       optim.lion(0.01, b1=0.95, b2=0.98, weight_decay=0.05)),
+      (OptimizerConfig(name="adan", adan_b1=0.9, adan_b2=0.8, adan_b3=0.999, eps=1e-6, **common),
+       optim.adan(0.01, b1=0.9, b2=0.8, b3=0.999, eps=1e-6, weight_decay=0.05)),
   ]
   for cfg, tx in cases:
     got, _ = base.run(optim.build(cfg, 10), grads, params)
@@ -442,6 +448,8 @@ def test_build_mars_and_normuon_match_factories():
     ("optimizer.mars_b1=1.0", "optimizer.mars_b1"),
     ("optimizer.normuon_b2=-0.1", "optimizer.normuon_b2"),
     ("optimizer.mars_gamma=-1", "optimizer.mars_gamma"),
+    ("optimizer.lion_b1=1.0", "optimizer.lion_b1"),
+    ("optimizer.adan_b3=-0.5", "optimizer.adan_b3"),
 ])
 def test_config_rejects_bad_optimizer_keys(override, key):
   with pytest.raises(ConfigError, match=key):
@@ -594,8 +602,94 @@ def test_weight_prediction_inject_hyperparams():
   np.testing.assert_array_equal(optim.predicted_params(w, state), [-2.0, -7.0])
 
 
-@pytest.mark.parametrize("module", ["_mars", "_normuon", "_prediction"])
+@pytest.mark.parametrize("module", ["_adan", "_mars", "_normuon", "_prediction"])
 def test_docstring_examples_run(module):
   mod = importlib.import_module(f"jaxpipe.optim.{module}")
   result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_schedule_none_takes_gradients_at_predicted_weights():
+  """`optimizer.weight_prediction` through `build` and `schedule=none`, as the
+  trainer wires it, equals the rule's loop by hand for 3 steps."""
+  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline._schedules import _full_loss  # pylint: disable=g-import-not-at-top
+  from tests import _pipeline_util as util  # pylint: disable=g-import-not-at-top
+  cfg = OptimizerConfig(name="adamw", lr=1e-2, schedule="constant", clip_norm=0.0, delay=1,
+                        weight_prediction=1.0, eps=1e-6)
+  fns = trainer.stage_fns(util.model())
+  params = jax.tree.map(jnp.asarray, util.initial_params())
+  sch = make_schedule("none", fns, optim.build(cfg, 3), make_mesh(1, 1), 1,
+                      predict=optim.predicted_params)
+  state = sch.init(params, (1, util.ROWS, util.SEQ))
+  tx = optim.delay(optim.weight_prediction(optim.adamw(1e-2, eps=1e-6)))
+  w, opt_state = params, tx.init(params)
+  loss = jax.jit(lambda p, t, y: _full_loss(fns)(p, t[0], y[0]))
+  for tok, tgt in util.batches(1)[:3]:
+    state, metrics = sch.step(state, jnp.asarray(tok), jnp.asarray(tgt))
+    ahead = optim.predicted_params(w, opt_state)
+    value, g = jax.value_and_grad(loss)(ahead, tok, tgt)
+    np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-6)
+    u, opt_state = tx.update(g, opt_state, w)
+    w = optax.apply_updates(w, u)
+  q = lambda p: p["blocks"]["attn"]["q"]["kernel"]
+  assert float(jnp.max(jnp.abs(q(optim.predicted_params(w, opt_state)) - q(w)))) > 1e-4
+  for a, b in zip(jax.tree.leaves(sch.params(state)), jax.tree.leaves(w)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_weight_prediction_config_is_checked():
+  with pytest.raises(ConfigError, match="optimizer.weight_prediction"):
+    load_config(None, ["optimizer.weight_prediction=-1"])
+  with pytest.raises(ConfigError, match="schedule none only"):
+    load_config(None, ["pipeline.schedule=2bw", "pipeline.stages=2", "pipeline.microbatches=2",
+                       "model.n_layers=2", "optimizer.weight_prediction=1"])
+  with pytest.raises(ValueError, match="predicted weights"):
+    from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+    from tests import _pipeline_util as util  # pylint: disable=g-import-not-at-top
+    make_schedule("gpipe", util.stage_fns(), optim.adamw(1e-3), make_mesh(2, 1), 2,
+                  predict=optim.predicted_params)
+
+
+# --------------------------------------------------------------------------
+# Adan: the paper's form and optax's
+
+
+def test_adan_two_steps_by_hand():
+  """Algorithm 1 of the Adan paper (b = 1 - its beta), two steps, numbers by hand."""
+  b1, b2, b3, eps, lr, wd = 0.9, 0.8, 0.99, 1e-8, 0.1, 0.0
+  w0 = {"kernel": jnp.array([[1.0, -2.0], [0.5, 3.0]])}
+  g1 = np.array([[0.5, -1.0], [2.0, 0.25]])
+  g2 = np.array([[1.5, 1.0], [-2.0, 0.25]])
+  tx = optim.adan(lr, b1=b1, b2=b2, b3=b3, eps=eps, weight_decay=wd)
+  state = tx.init(w0)
+  u1, state = tx.update({"kernel": jnp.asarray(g1)}, state, w0)
+  u2, state = tx.update({"kernel": jnp.asarray(g2)}, state, w0)
+  # Step 1: d = 0, so m_hat = g1, v_hat = 0, n_hat = g1^2: u = -lr * g1 / |g1|.
+  np.testing.assert_allclose(u1["kernel"], -lr * g1 / (np.abs(g1) + eps), rtol=1e-6)
+  # Step 2: d = g2 - g1.
+  d = g2 - g1
+  m = b1 * (1 - b1) * g1 + (1 - b1) * g2
+  v = (1 - b2) * d
+  n = b3 * (1 - b3) * g1**2 + (1 - b3) * (g2 + b2 * d)**2
+  m_hat, v_hat, n_hat = m / (1 - b1**2), v / (1 - b2**2), n / (1 - b3**2)
+  want = -lr * (m_hat + b2 * v_hat) / (np.sqrt(n_hat) + eps)
+  np.testing.assert_allclose(u2["kernel"], want, rtol=1e-5)
+
+
+def test_adan_optax_form_is_optax_and_differs_from_the_paper_from_step_two():
+  params, grads = _hand_case()
+  kw = dict(b1=0.98, b2=0.92, b3=0.99, weight_decay=0.05)
+  mask = optim.weight_decay_mask
+  got, _ = base.run(optim.adan(0.01, form="optax", **kw), grads, params)
+  want, _ = base.run(optax.adan(0.01, mask=mask, **kw), grads, params)
+  for a, b in zip(got, want):
+    base.assert_trees_close(a, b)
+  paper, _ = base.run(optim.adan(0.01, **kw), grads, params)
+  base.assert_trees_close(paper[0], got[0])           # no difference yet
+  gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+            zip(jax.tree.leaves(paper[1]), jax.tree.leaves(got[1])))
+  assert gap > 1e-4
+  with pytest.raises(ValueError, match="form"):
+    optim.adan(0.01, form="pytorch")

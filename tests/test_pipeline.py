@@ -98,6 +98,7 @@ TWO_BW_CASES = [
     ("adamw", 1.0, (4, 1, 7)),
     ("muon", 0.0, (2, 2, 3)),
     ("muon", 1.0, (4, 2, 6)),
+    ("adamw", 1.0, (2, 2, 2)),
 ]
 # The case whose compiled HLO test_2bw_step_collectives reads.
 HLO_CASE = ("adamw", 0.0, (4, 2, 6))
@@ -162,6 +163,86 @@ def test_2bw_correction_is_distinguishable(other):
   # gradient that the pipedream reference of the same M already needs.
   miss = stale_reference((0,) * s, m, opt, delay=1, **other)
   assert _max_diff(got.params, miss.params) > 1e-4
+
+
+# --- optimizer state sharded over 'data' (ZeRO-1) -------------------------------
+#
+# Every run above with data 2 updates sharded optimizer state (the schedules'
+# default): the 2bw cases at D = 2 cover AdamW and Muon with and without the
+# correction against the unsharded one-device reference. These add `none`.
+
+ZERO_NONE_CASES = [(o, ef) for o in ("adamw", "muon") for ef in (0.0, 1.0)]
+
+
+@pytest.mark.parametrize("opt,ef", ZERO_NONE_CASES,
+                         ids=[f"{o}-ef{e:g}" for o, e in ZERO_NONE_CASES])
+def test_sharded_optimizer_state_matches_one_device(opt, ef):
+  """schedule=none on 2 data replicas, state split over them, trains as one device.
+
+  With the correction, as the one-device form of 2bw (`delay(error_feedback(U))`),
+  so the delay's and the correction's buffers are split too.
+  """
+  delay = 1 if ef else 0
+  got = run("none", 1, 2, 2, opt, ef=ef, delay=delay)
+  want = run("none", 1, 1, 2, opt, ef=ef, delay=delay)
+  assert_runs_match(got, want)
+
+
+def _abstract_state(schedule, num_stages, num_data, opt, shard, **kwargs):
+  m = max(2 * (num_stages - 1), 1)
+  sch = make_schedule(schedule, util.stage_fns(), util.optimizer(opt, **kwargs),
+                      make_mesh(num_stages, num_data), m, shard_optimizer=shard)
+  params = jax.tree.map(jnp.asarray, util.initial_params())
+  state = jax.eval_shape(lambda p: sch.init(p, (m, util.ROWS, util.SEQ)), params)
+  return sch, state, sch.state_shardings(state)
+
+
+@pytest.mark.parametrize("schedule,stages,kwargs", [
+    ("2bw", 2, dict(ef=1.0)), ("none", 1, dict(ef=1.0, delay=1))], ids=["2bw", "none-delayed"])
+def test_optimizer_state_is_split_over_data(schedule, stages, kwargs):
+  """Each replica holds 1/D of every parameter-shaped state leaf; unsharded, all of it.
+
+  The tiny model's stacked blocks have 4 layers, so S x D = 4 splits each
+  whole matrix onto one device (Muon's momentum, AdamW's moments, the
+  correction's and the delay's buffers).
+  """
+  d = 2
+  _, state, on = _abstract_state(schedule, stages, d, "muon", True, **kwargs)
+  _, _, off = _abstract_state(schedule, stages, d, "muon", False, **kwargs)
+  leaves = list(zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(on.opt_state),
+                    jax.tree.leaves(off.opt_state)))
+  params = state.params if schedule == "none" else state.cur
+  shapes = {x.shape for x in jax.tree.leaves(params)}
+  # Parameter-shaped: a parameter's shape, or one behind the delay's slot axis.
+  shaped = [(x, a, b) for x, a, b in leaves if x.shape in shapes or x.shape[1:] in shapes]
+  assert sum(x.ndim >= 3 for x, _, _ in shaped) >= 4   # stacked: moments, buffers
+  for x, split, whole in shaped:
+    n_split, n_whole = np.prod(split.shard_shape(x.shape)), np.prod(whole.shard_shape(x.shape))
+    assert n_split * d == n_whole, (x.shape, split.spec, whole.spec)
+  for x, split, whole in leaves:   # the rest (counts, scales) as before
+    if (x, split, whole) not in shaped:
+      assert split == whole
+
+
+def _update_flops(num_data, shard):
+  sch, state, sh = _abstract_state("none", 1, num_data, "muon", shard)
+  update = lambda p, o, g: sch._update(p, o, g, jnp.array(True))[:2]  # pylint: disable=protected-access
+  fn = jax.jit(update, in_shardings=(sh.params, sh.opt_state, sh.params),
+               out_shardings=(sh.params, sh.opt_state))
+  return fn.lower(state.params, state.opt_state, state.params).compile().cost_analysis()["flops"]
+
+
+def test_newton_schulz_work_per_device_falls_with_data_degree():
+  """The compiled, partitioned Muon update's FLOPs per device are about 1/D.
+
+  Newton-Schulz is almost all of the update's arithmetic; with the state
+  split over 'data' each replica orthogonalises its own matrices. Unsharded,
+  every replica does all of it, whatever D.
+  """
+  one = _update_flops(1, True)
+  assert _update_flops(2, False) == pytest.approx(one, rel=1e-3)
+  assert _update_flops(2, True) < 0.55 * one
+  assert _update_flops(4, True) < 0.3 * one
 
 
 # --- pipedream ---------------------------------------------------------------

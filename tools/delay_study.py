@@ -2,7 +2,7 @@
 """The delay study: synchronous, one-step-delayed and corrected training, per optimizer.
 
   python tools/delay_study.py --lr-sweep          # tune each optimizer's rate, synchronously
-  python tools/delay_study.py --lr from-sweep     # the study: 4 optimizers x 3 settings
+  python tools/delay_study.py --lr from-sweep     # the study: optimizers x settings x seeds
   python tools/delay_study.py --check-2bw         # one cell against a real 2bw pipeline
   python tools/delay_study.py --report            # tables and plots from the runs on disk
 
@@ -11,7 +11,9 @@ Every cell is an ordinary `train.py` run of `configs/delay_study.yaml` (or
 `OUT/<optimizer>-<setting>-s<seed>`, so `tools/plot_loss.py` reads it. The
 settings are `sync` (no delay), `delay` (`optimizer.delay=1`: the one-step
 gradient delay of PipeDream-2BW, simulated on one device) and `delay-ef` (the
-same with the error-feedback correction, `optimizer.error_feedback=1`).
+same with the error-feedback correction, `optimizer.error_feedback=1`);
+`--settings` adds `delay-wp` (the delay with weight prediction,
+`optimizer.weight_prediction=1`: gradients taken at w + (w - w_prev)).
 
 The study writes OUT/results.md and OUT/results.json (final validation loss
 per optimizer and setting, the gap delayed - synchronous, the corrected gap,
@@ -65,12 +67,16 @@ DEFAULT_OPTIMIZERS = ("adamw", "muon", "lion", "adan")
 # 3-10x smaller rate, Adan's, SOAP's and MARS's steps are Adam-like.
 DEFAULT_LRS = {"adamw": 3e-3, "muon": 3e-3, "lion": 5e-4, "adan": 3e-3, "soap": 3e-3,
                "mars": 3e-3, "normuon": 3e-3}
-# setting -> (optimizer.delay, optimizer.error_feedback)
-SETTINGS = {"sync": (0, 0.0), "delay": (1, 0.0), "delay-ef": (1, 1.0)}
-SETTING_LABELS = {"sync": "synchronous", "delay": "delayed", "delay-ef": "delayed + EF"}
+# setting -> (optimizer.delay, optimizer.error_feedback, optimizer.weight_prediction)
+SETTINGS = {"sync": (0, 0.0, 0.0), "delay": (1, 0.0, 0.0), "delay-ef": (1, 1.0, 0.0),
+            "delay-wp": (1, 0.0, 1.0)}
+DEFAULT_SETTINGS = ("sync", "delay", "delay-ef")
+SETTING_LABELS = {"sync": "synchronous", "delay": "delayed", "delay-ef": "delayed + EF",
+                  "delay-wp": "delayed + WP"}
 # Keys the tool sets per cell; a positional override of one would be silently lost.
 CONTROLLED = ("run.dir", "run.steps", "run.seed", "optimizer.name", "optimizer.lr",
-              "optimizer.delay", "optimizer.error_feedback", "pipeline.schedule",
+              "optimizer.delay", "optimizer.error_feedback", "optimizer.weight_prediction",
+              "pipeline.schedule",
               "pipeline.stages", "optimizer.warmup_steps", "eval.every")
 # Keys that do not change a run's trajectory: a finished run stays valid when they change.
 IGNORED_KEYS = (("run", "dir"), ("run", "progress"), ("run", "log_every"),
@@ -513,7 +519,7 @@ class Plan:
   out: str
 
   def overrides(self, *, run_dir: str, steps: int, seed: int, optimizer: str, lr: float,
-                delay: int, ef: float, evals: int, schedule: str = "none",
+                delay: int, ef: float, evals: int, wp: float = 0.0, schedule: str = "none",
                 stages: int = 1, extra: Sequence[str] = ()) -> tuple[str, ...]:
     """train.py overrides of one run (the user's first, then the cell's own)."""
     o = self.base.optimizer
@@ -522,7 +528,8 @@ class Plan:
     return (*self.extra, *extra, f"run.dir={run_dir}", f"run.steps={steps}",
             f"run.seed={seed}", "run.progress=false", f"optimizer.name={optimizer}",
             f"optimizer.lr={lr!r}", f"optimizer.delay={delay}",
-            f"optimizer.error_feedback={ef!r}", f"optimizer.warmup_steps={warmup}",
+            f"optimizer.error_feedback={ef!r}", f"optimizer.weight_prediction={wp!r}",
+            f"optimizer.warmup_steps={warmup}",
             # At most `evals` evenly spaced passes before the final one.
             f"eval.every={math.ceil(steps / evals)}",
             f"pipeline.schedule={schedule}", f"pipeline.stages={stages}")
@@ -559,12 +566,12 @@ def study_cells(plan: Plan, optimizers: Sequence[str], settings: Sequence[str],
   for seed in seeds:
     for opt in optimizers:
       for setting in settings:
-        delay, ef = SETTINGS[setting]
+        delay, ef, wp = SETTINGS[setting]
         name = f"{opt}-{setting}-s{seed}"
         run_dir = os.path.join(plan.out, name)
         cells.append(Cell(name, run_dir, opt, setting, seed, lrs[opt], steps, plan.overrides(
             run_dir=run_dir, steps=steps, seed=seed, optimizer=opt, lr=lrs[opt], delay=delay,
-            ef=ef, evals=evals)))
+            ef=ef, wp=wp, evals=evals)))
   return cells
 
 
@@ -672,15 +679,19 @@ def summarize(cells: Sequence[Cell], optimizers: Sequence[str], seeds: Sequence[
 
     gap, gap_std, _ = paired("delay", "sync")
     cgap, cgap_std, _ = paired("delay-ef", "sync")
+    pgap, pgap_std, _ = paired("delay-wp", "sync")
     s = row["settings"]
     row["gap"], row["gap_std"] = gap, gap_std
     row["corrected_gap"], row["corrected_gap_std"] = cgap, cgap_std
+    row["predicted_gap"], row["predicted_gap_std"] = pgap, pgap_std
     row["recovered"] = recovered_share(s["sync"]["mean"], s["delay"]["mean"],
                                        s["delay-ef"]["mean"])
+    row["recovered_wp"] = recovered_share(s["sync"]["mean"], s["delay"]["mean"],
+                                          s["delay-wp"]["mean"])
     # The gap at every evaluation both curves share: how it changes with the horizon.
     gap_curve = {}
     sync_curve = row["curves"].get("sync", {})
-    for setting in ("delay", "delay-ef"):
+    for setting in ("delay", "delay-ef", "delay-wp"):
       other = row["curves"].get(setting, {})
       gap_curve[setting] = {k: other[k] - sync_curve[k] for k in sync_curve if k in other}
     row["gap_curve"] = gap_curve
@@ -707,20 +718,33 @@ def _gap_text(gap: Optional[float], std: Optional[float]) -> str:
   return f"{gap:+.4f}" + (f" ± {std:.4f}" if std is not None else "")
 
 
+def _recovered_text(rec: Optional[float], gap: Optional[float]) -> str:
+  no_gap = gap is not None and math.isfinite(gap) and gap <= 0
+  return f"{100 * rec:.0f}%" if rec is not None else ("n/a (no gap)" if no_gap else "—")
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
-  """The results table: final validation loss per setting, gaps and recovered share."""
-  lines = ["| optimizer | lr | synchronous | delayed | delayed + EF | gap (delayed − sync) "
-           "| corrected gap (EF − sync) | recovered |",
-           "|---|---|---|---|---|---|---|---|"]
+  """The results table: final validation loss per setting, gaps and recovered share.
+
+  Columns for weight prediction (delay-wp) appear when any optimizer has them.
+  """
+  wp = any(row["settings"].get("delay-wp", {}).get("n") for row in summary["optimizers"].values())
+  head = ("| optimizer | lr | synchronous | delayed | delayed + EF | gap (delayed − sync) "
+          "| corrected gap (EF − sync) | recovered |")
+  lines = [head + (" delayed + WP | WP − sync | recovered by WP |" if wp else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if wp else "")]
   for opt, row in summary["optimizers"].items():
     s = row["settings"]
-    rec = row["recovered"]
-    no_gap = row["gap"] is not None and math.isfinite(row["gap"]) and row["gap"] <= 0
-    rec_text = f"{100 * rec:.0f}%" if rec is not None else ("n/a (no gap)" if no_gap else "—")
     lr = fmt_lr(row["lr"]) if row["lr"] is not None else "—"
-    lines.append(f"| {opt} | {lr} | {_cell_text(s['sync'])} | {_cell_text(s['delay'])} | "
-                 f"{_cell_text(s['delay-ef'])} | {_gap_text(row['gap'], row['gap_std'])} | "
-                 f"{_gap_text(row['corrected_gap'], row['corrected_gap_std'])} | {rec_text} |")
+    line = (f"| {opt} | {lr} | {_cell_text(s['sync'])} | {_cell_text(s['delay'])} | "
+            f"{_cell_text(s['delay-ef'])} | {_gap_text(row['gap'], row['gap_std'])} | "
+            f"{_gap_text(row['corrected_gap'], row['corrected_gap_std'])} | "
+            f"{_recovered_text(row['recovered'], row['gap'])} |")
+    if wp:
+      line += (f" {_cell_text(s['delay-wp'])} | "
+               f"{_gap_text(row['predicted_gap'], row['predicted_gap_std'])} | "
+               f"{_recovered_text(row['recovered_wp'], row['gap'])} |")
+    lines.append(line)
   return "\n".join(lines)
 
 
@@ -738,8 +762,11 @@ def gap_length_table(summary: dict[str, Any], columns: int = 6) -> str:
   head = " | ".join(f"step {k} ({k * per_step:.1f} tok/param)" for k in pick)
   lines = [f"| optimizer | gap | {head} |", "|---|---|" + "---|" * len(pick)]
   for opt, row in summary["optimizers"].items():
-    for setting, label in (("delay", "delayed − sync"), ("delay-ef", "EF − sync")):
+    for setting, label in (("delay", "delayed − sync"), ("delay-ef", "EF − sync"),
+                           ("delay-wp", "WP − sync")):
       curve = row["gap_curve"].get(setting, {})
+      if setting == "delay-wp" and not curve:
+        continue
       cells = " | ".join(f"{curve[k]:+.4f}" if k in curve else "—" for k in pick)
       lines.append(f"| {opt} | {label} | {cells} |")
   return "\n".join(lines)
@@ -753,7 +780,8 @@ def plot_results(summary: dict[str, Any], out: str) -> list[str]:
 
   per_step = summary["tokens_per_param_per_step"] or 1.0
   opts = list(summary["optimizers"])
-  colors = {"sync": "tab:blue", "delay": "tab:red", "delay-ef": "tab:green"}
+  colors = {"sync": "tab:blue", "delay": "tab:red", "delay-ef": "tab:green",
+            "delay-wp": "tab:purple"}
   cols = 2 if len(opts) > 1 else 1
   rows = math.ceil(len(opts) / cols)
   fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), dpi=110, squeeze=False)
@@ -791,7 +819,8 @@ def plot_results(summary: dict[str, Any], out: str) -> list[str]:
   palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for i, opt in enumerate(opts):
     for setting, style, label in (("delay", "-", "delayed − sync"),
-                                  ("delay-ef", "--", "delayed+EF − sync")):
+                                  ("delay-ef", "--", "delayed+EF − sync"),
+                                  ("delay-wp", ":", "delayed+WP − sync")):
       curve = summary["optimizers"][opt]["gap_curve"].get(setting, {})
       ks = sorted(k for k in curve if k > 0)
       if ks:
@@ -889,6 +918,15 @@ def journal_update(result_path: str, args: argparse.Namespace, t0: float,
   return history
 
 
+def _epochs(cfg: config_lib.Config, tokens: int) -> Optional[float]:
+  """Passes over the training split that `tokens` make (None if the data cannot be read)."""
+  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+  try:
+    return round(tokens / trainer.open_data(cfg).num_tokens("train"), 3)
+  except (InputError, OSError):
+    return None
+
+
 def _meta(args: argparse.Namespace, t0: float, outcome: dict[str, str], plan: Plan,
           params: int, steps: int, path: str) -> dict[str, Any]:
   """The study's scale and every invocation that trained into it.
@@ -904,6 +942,7 @@ def _meta(args: argparse.Namespace, t0: float, outcome: dict[str, str], plan: Pl
   return {"config": os.path.relpath(plan.config_path, ROOT), "overrides": list(plan.extra),
           "params": params, "steps": steps, "tokens_per_step": plan.tokens_per_step(),
           "tokens_per_param": round(steps * plan.tokens_per_step() / params, 2) if params else None,
+          "epochs": _epochs(plan.base, steps * plan.tokens_per_step()),
           "invocations": history,
           "elapsed_total_s": round(sum(h["elapsed_s"] for h in history), 1)}
 
@@ -948,12 +987,15 @@ def report_study(args, plan: Plan, cells: Sequence[Cell], optimizers, seeds, par
   pngs = plot_results(summary, plan.out)
   text = [
       "# Delay study results", "",
-      f"{len(optimizers)} optimizers x {len(SETTINGS)} settings x {len(seeds)} seed(s); "
+      f"{len(optimizers)} optimizers x {len({c.setting for c in cells})} settings x "
+      f"{len(seeds)} seed(s); "
       f"{params:,} parameters, {steps} steps x {plan.tokens_per_step():,} tokens = "
-      f"{meta['tokens_per_param']} tokens per parameter. Final validation loss "
+      f"{meta['tokens_per_param']} tokens per parameter, {meta.get('epochs')} epochs of the "
+      "training split. Final validation loss "
       "(nats per byte-token)" + (", mean ± std over seeds" if len(seeds) > 1 else "") + ".", "",
       markdown_table(summary), "",
-      "Recovered = (delayed − corrected) / (delayed − synchronous).", "",
+      "Recovered = (delayed − corrected) / (delayed − synchronous); WP = weight prediction "
+      "(`optimizer.weight_prediction=1`).", "",
       "## Gap against training length", "", gap_length_table(summary), "",
       f"![validation curves]({os.path.basename(pngs[0])})", "",
       f"![gap against length]({os.path.basename(pngs[1])})", "",
@@ -1013,6 +1055,98 @@ def report_sweep(args, plan: Plan, cells: Sequence[Cell], optimizers, params: in
   return data
 
 
+def size_summary(results: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+  """Per optimizer that every study has, smallest model first: parameters, rate, finals,
+  gaps, shares."""
+  order = sorted(range(len(results)), key=lambda i: results[i]["summary"]["params"])
+  common = [o for o in results[order[0]]["summary"]["optimizers"]
+            if all(o in r["summary"]["optimizers"] for r in results)]
+  rows: dict[str, list[dict[str, Any]]] = {}
+  for i in order:
+    res = results[i]
+    summary, meta = res["summary"], res.get("meta", {})
+    for opt in common:
+      row = summary["optimizers"][opt]
+      s = row["settings"]
+      rows.setdefault(opt, []).append({
+          "study": names[i], "params": summary["params"], "lr": row["lr"],
+          "tokens_per_param": meta.get("tokens_per_param"),
+          "epochs": meta.get("epochs"),
+          "sync": s["sync"]["mean"], "delay": s["delay"]["mean"],
+          "delay_ef": s["delay-ef"]["mean"], "gap": row["gap"],
+          "corrected_gap": row["corrected_gap"], "recovered": row["recovered"]})
+  return {"optimizers": rows}
+
+
+def size_table(summary: dict[str, Any]) -> str:
+  """The gap-against-size table: one row per optimizer and model size."""
+  lines = ["| optimizer | parameters | tokens/param | lr | synchronous | delayed | delayed + EF "
+           "| gap | corrected gap | recovered |", "|---|---|---|---|---|---|---|---|---|---|"]
+  num = lambda x: "—" if x is None else f"{x:.4f}"
+  for opt, rows in summary["optimizers"].items():
+    for r in rows:
+      tpp = "—" if r["tokens_per_param"] is None else f"{r['tokens_per_param']:.1f}"
+      lines.append(f"| {opt} | {r['params']:,} | {tpp} | "
+                   f"{fmt_lr(r['lr']) if r['lr'] else '—'} | {num(r['sync'])} | "
+                   f"{num(r['delay'])} | {num(r['delay_ef'])} | {_gap_text(r['gap'], None)} | "
+                   f"{_gap_text(r['corrected_gap'], None)} | "
+                   f"{_recovered_text(r['recovered'], r['gap'])} |")
+  return "\n".join(lines)
+
+
+def plot_sizes(summary: dict[str, Any], path: str) -> None:
+  """gap_vs_size.png: the delayed and corrected gaps against parameters (log axis)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+  palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for i, (opt, rows) in enumerate(summary["optimizers"].items()):
+    for key, style, label in (("gap", "-", "delayed − sync"),
+                              ("corrected_gap", "--", "delayed+EF − sync")):
+      pts = [(r["params"], r[key]) for r in rows if r[key] is not None]
+      if pts:
+        ax.plot(*zip(*pts), style, marker="o", color=palette[i % len(palette)],
+                label=f"{opt}: {label}")
+  ax.set_xscale("log")
+  ax.axhline(0.0, color="black", linewidth=0.8)
+  ax.set_xlabel("parameters")
+  ax.set_ylabel("final validation-loss gap to synchronous")
+  ax.set_title("The delay's gap against model size")
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def report_sizes(args: argparse.Namespace) -> int:
+  """The --size-report mode: reads each study's results.json, writes sizes.{md,json,png}."""
+  dirs = [d for d in args.size_report.split(",") if d.strip()]
+  if len(dirs) < 2:
+    raise StudyError("--size-report: give at least two study directories, comma-separated")
+  results = []
+  for d in dirs:
+    path = os.path.join(d, "results.json")
+    try:
+      with open(path) as f:
+        results.append(json.load(f))
+    except (OSError, ValueError) as e:
+      raise StudyError(f"--size-report: cannot read {path} ({e}); run the study there first")
+  summary = size_summary(results, dirs)
+  os.makedirs(args.out, exist_ok=True)
+  write_json(os.path.join(args.out, "sizes.json"), summary)
+  plot_sizes(summary, os.path.join(args.out, "gap_vs_size.png"))
+  table = size_table(summary)
+  with open(os.path.join(args.out, "sizes.md"), "w") as f:
+    f.write("# The delay's gap against model size\n\n" + table +
+            "\n\n![gap against size](gap_vs_size.png)\n\nStudies: " + ", ".join(dirs) + "\n")
+  _say(table)
+  _say(f"wrote {os.path.join(args.out, 'sizes.md')}, sizes.json, gap_vs_size.png")
+  return 0
+
+
 def _num(x: Optional[float]) -> str:
   return "missing" if x is None else f"{x:.8f}"
 
@@ -1053,14 +1187,19 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     help="compare one delayed+EF cell with a real 2bw run on 2 emulated stages")
   mode.add_argument("--report", action="store_true",
                     help="only rebuild the tables and plots from the runs on disk")
+  mode.add_argument("--size-report", default="", metavar="OUT1,OUT2,...",
+                    help="the gap against model size, from the results.json of studies of "
+                         "several sizes (each its own --out); writes OUT/sizes.md, "
+                         "sizes.json and gap_vs_size.png")
   p.add_argument("--config", default=DEFAULT_CONFIG, help="base config (model, data, schedule)")
   p.add_argument("--out", default=os.path.join("runs", "delay_study"),
                  help="directory of the run directories and results")
   p.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                  help=f"comma-separated, of {', '.join(OPTIMIZERS)} (default "
                       f"{','.join(DEFAULT_OPTIMIZERS)})")
-  p.add_argument("--settings", default=",".join(SETTINGS),
-                 help="comma-separated subset of sync, delay, delay-ef")
+  p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
+                 help="comma-separated, of sync, delay, delay-ef, delay-wp (weight prediction); "
+                      f"default {','.join(DEFAULT_SETTINGS)}")
   p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every cell")
   p.add_argument("--steps", type=int, default=0, help="steps of a study run; 0 = the config's")
   p.add_argument("--evals", type=int, default=15,
@@ -1129,6 +1268,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   t0 = time.time()
   try:
     args = parse_args(argv)
+    if args.size_report:
+      return report_sizes(args)
     optimizers = parse_optimizers(args.optimizers)
     settings = parse_settings(args.settings)
     config_path = os.path.abspath(args.config)

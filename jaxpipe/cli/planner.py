@@ -278,7 +278,8 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
         or [0])
     for stash in stashes:
       mesh = make_mesh(num, d_)
-      sched = make_schedule(name, fns, optimizer, mesh, m, stash=stash)
+      sched = make_schedule(name, fns, optimizer, mesh, m, stash=stash,
+                            shard_optimizer=cfg.mesh.shard_optimizer)
       state = jax.eval_shape(lambda p, sched=sched: sched.init(p, batch_shape), params)
       nbytes = _device_bytes(state, sched.state_shardings(state))
       row = {k: 0 for k, _ in ROWS}
@@ -396,7 +397,7 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   m = cfg.pipeline.microbatches
   stages = cfg.pipeline.stages if schedule != "none" else 1
   sched = make_schedule(schedule, fns, optimizer, make_mesh(stages, cfg.mesh.data), m,
-                        stash=stash)
+                        stash=stash, shard_optimizer=cfg.mesh.shard_optimizer)
   batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
   params = jax.eval_shape(model.init, jax.random.key(0))
   state = jax.eval_shape(lambda p: sched.init(p, batch_shape), params)

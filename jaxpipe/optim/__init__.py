@@ -27,6 +27,9 @@ Large-Scale Asynchronous Pipeline Parallel LLM Pretraining", arXiv 2606.30634,
 
 from jaxpipe.optim._build import build
 from jaxpipe.optim._build import learning_rate_schedule
+from jaxpipe.optim._adan import adan
+from jaxpipe.optim._adan import AdanState
+from jaxpipe.optim._adan import scale_by_adan
 from jaxpipe.optim._grouping import EMBEDDING_NAMES
 from jaxpipe.optim._grouping import HEAD_NAMES
 from jaxpipe.optim._grouping import param_kinds
@@ -42,7 +45,6 @@ from jaxpipe.optim._normuon import normuon
 from jaxpipe.optim._normuon import scale_by_neuron_rms
 from jaxpipe.optim._normuon import ScaleByNeuronRmsState
 from jaxpipe.optim._optimizers import adamw
-from jaxpipe.optim._optimizers import adan
 from jaxpipe.optim._optimizers import lion
 from jaxpipe.optim._optimizers import muon
 from jaxpipe.optim._optimizers import NS_COEFFS
@@ -60,6 +62,7 @@ from jaxpipe.optim._wrappers import error_feedback
 from jaxpipe.optim._wrappers import ErrorFeedbackState
 
 __all__ = [
+    "AdanState",
     "DelayState",
     "EMBEDDING_NAMES",
     "ErrorFeedbackState",
@@ -86,6 +89,7 @@ __all__ = [
     "param_kinds",
     "param_labels",
     "predicted_params",
+    "scale_by_adan",
     "scale_by_mars",
     "scale_by_neuron_rms",
     "scale_by_soap",

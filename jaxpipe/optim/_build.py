@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import optax
 
+from jaxpipe.optim import _adan
 from jaxpipe.optim import _mars
 from jaxpipe.optim import _normuon
 from jaxpipe.optim import _optimizers
+from jaxpipe.optim import _prediction
 from jaxpipe.optim import _soap
 from jaxpipe.optim import _wrappers
 
@@ -116,8 +118,8 @@ def build(
   Composition (innermost first):
 
   .. math::
-    \mathrm{delay}_{d}\big(\mathrm{error\_feedback}_{c}(
-      \mathrm{clip}_{\tau} \circ \mathrm{optimizer}(\mathrm{schedule}))\big)
+    \mathrm{delay}_{d}\Big(\mathrm{weight\_prediction}_{s}\big(\mathrm{error\_feedback}_{c}(
+      \mathrm{clip}_{\tau} \circ \mathrm{optimizer}(\mathrm{schedule}))\big)\Big)
 
   - schedule: `learning_rate_schedule(cfg, total_steps)`; for Muon, AdamW's
     schedule has the same shape with peak `cfg.adam_lr` (0 = `cfg.lr`);
@@ -130,11 +132,14 @@ def build(
     normuon and mars take `adam_lr` for their AdamW group); `sgd` uses
     `momentum` and `nesterov`; `soap` uses `b1`, `b2`, `eps` (both its
     groups, one rate), `shampoo_beta`, `precondition_frequency` and
-    `max_precond_dim`; `lion` and `adan` keep their own betas (their
-    meaning differs from Adam's) and use `eps` where they have one. All take
-    `weight_decay` with the default decay mask;
+    `max_precond_dim`; `lion` takes `lion_b1`, `lion_b2` and `adan`
+    `adan_b1`, `adan_b2`, `adan_b3` (their meaning differs from Adam's),
+    `adan_form` and `eps`. All take `weight_decay` with the default decay mask;
   - error feedback with c = `cfg.error_feedback` (0 = off), its buffer in
     `cfg.ef_dtype` ("" = the params' dtype);
+  - weight prediction with horizon s = `cfg.weight_prediction` (0 = off):
+    the updates pass unchanged, and the caller takes the gradient at
+    `predicted_params(params, state)` (the trainer does, for schedule none);
   - delay of `cfg.delay` steps (0 = off).
 
   Error feedback sits inside the delay so that its first real update is
@@ -192,9 +197,10 @@ def build(
         precondition_frequency=cfg.precondition_frequency,
         max_precond_dim=cfg.max_precond_dim)
   elif cfg.name == "lion":
-    opt = _optimizers.lion(lr, weight_decay=wd)
+    opt = _optimizers.lion(lr, b1=cfg.lion_b1, b2=cfg.lion_b2, weight_decay=wd)
   elif cfg.name == "adan":
-    opt = _optimizers.adan(lr, eps=cfg.eps, weight_decay=wd)
+    opt = _adan.adan(lr, b1=cfg.adan_b1, b2=cfg.adan_b2, b3=cfg.adan_b3, eps=cfg.eps,
+                     weight_decay=wd, form=cfg.adan_form)
   elif cfg.name == "sgd":
     opt = _optimizers.sgd(lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                           weight_decay=wd)
@@ -206,6 +212,8 @@ def build(
   if cfg.error_feedback > 0:
     opt = _wrappers.error_feedback(
         opt, cfg.error_feedback, buffer_dtype=cfg.ef_dtype or None)
+  if cfg.weight_prediction > 0:
+    opt = _prediction.weight_prediction(opt, cfg.weight_prediction)
   if cfg.delay > 0:
     opt = _wrappers.delay(opt, cfg.delay)
   return opt

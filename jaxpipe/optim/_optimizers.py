@@ -21,7 +21,7 @@ from optax.contrib import MuonDimensionNumbers
 from jaxpipe.optim import _grouping
 
 __all__ = [
-    "NS_COEFFS", "POLAR_EXPRESS_COEFFS", "adamw", "adan", "lion", "muon", "sgd",
+    "NS_COEFFS", "POLAR_EXPRESS_COEFFS", "adamw", "lion", "muon", "sgd",
 ]
 
 # Quintic Newton-Schulz coefficients of Jordan's Muon: they maximise the slope
@@ -501,59 +501,6 @@ def lion(
   """
   return _dtype_stable(optax.lion(
       learning_rate, b1=b1, b2=b2, mu_dtype=mu_dtype, weight_decay=weight_decay,
-      mask=_mask_or_default(weight_decay_mask)))
-
-
-def adan(
-    learning_rate: ScalarOrSchedule,
-    *,
-    b1: float | jax.Array = 0.98,
-    b2: float | jax.Array = 0.92,
-    b3: float | jax.Array = 0.99,
-    eps: float | jax.Array = 1e-8,
-    weight_decay: float | jax.Array = 0.1,
-    weight_decay_mask: Mask | None = None,
-) -> optax.GradientTransformation:
-  r"""Adan with jaxpipe's decay mask (no decay on norms and biases).
-
-  Update rule (optax's form): with the gradient difference d = g[t] - g[t-1],
-  `m = b1 m + (1-b1) g`, `n = b2 n + (1-b2) d`,
-  `v = b3 v + (1-b3) (g + b2 d)^2`, and
-  `W -= eta ((m_hat + b2 n_hat) / (sqrt(v_hat) + eps) + lambda W)`.
-  Its betas keep optax's (and the Adan paper's) meaning and defaults, which
-  differ from Adam's. This is `optax.adan` with the mask.
-
-  State: optax's `(ScaleByAdanState, mask state, learning-rate state)`.
-  Memory: three parameter-sized moments plus the previous gradient (4x params).
-
-  Args:
-    learning_rate: a scalar or an `optax.Schedule`.
-    b1: decay of the gradient average.
-    b2: decay of the gradient-difference average.
-    b3: decay of the second moment.
-    eps: added to the denominator.
-    weight_decay: decoupled decay, multiplied by the learning rate.
-    weight_decay_mask: a pytree of bools or a function of the params.
-
-  Returns:
-    An `optax.GradientTransformation`.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jaxpipe import optim
-    >>> tx = optim.adan(1e-3)
-    >>> state = tx.init({'kernel': jnp.ones((2, 2))})
-
-  References:
-    Zmushko et al., `One-Step Gradient Delay is Not a Barrier for Large-Scale
-    Asynchronous Pipeline Parallel LLM Pretraining
-    <https://arxiv.org/abs/2606.30634>`_, 2026
-
-    Xie et al., `Adan: Adaptive Nesterov Momentum Algorithm for Faster
-    Optimizing Deep Models <https://arxiv.org/abs/2208.06677>`_, 2022
-  """
-  return _dtype_stable(optax.adan(
-      learning_rate, b1=b1, b2=b2, b3=b3, eps=eps, weight_decay=weight_decay,
       mask=_mask_or_default(weight_decay_mask)))
 
 

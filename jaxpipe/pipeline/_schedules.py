@@ -27,6 +27,7 @@ reports batch k-1 (`loss_lag = 1`) and `pending_loss` gives the last batch's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
 
@@ -168,6 +169,28 @@ def _all_finite(tree: Tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """A parameter's spec and rank, one leaf for `optax.tree_map_params`."""
+  spec: P
+  ndim: int
+
+
+def _data_split(shape: tuple, spec: P, num_stages: int, num_data: int) -> P:
+  """`spec` with 'data' added on the first axis of `shape` that can take it (see
+  `Schedule.opt_param_specs`); `spec` itself where none can."""
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  stacked = max(len(shape) - 2, 0)
+  for a in [*range(stacked), *range(stacked, len(shape))]:
+    if entries[a] is None and shape[a] % num_data == 0:
+      entries[a] = DATA
+      return P(*entries)
+    if entries[a] == STAGE and shape[a] % (num_stages * num_data) == 0:
+      entries[a] = (STAGE, DATA)
+      return P(*entries)
+  return spec
+
+
 def _acc_dtype(x) -> jnp.dtype:
   # Gradients are summed over microbatches in float32, whatever the weights'.
   return jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
@@ -181,8 +204,14 @@ class Schedule:
   pipelined = True
 
   def __init__(self, fns: StageFns, optimizer: optax.GradientTransformation, mesh: Mesh,
-               num_microbatches: int, *, stash: str = "inputs"):
+               num_microbatches: int, *, stash: str = "inputs", shard_optimizer: bool = True,
+               predict: Optional[Any] = None):
     self.fns, self.opt, self.mesh = fns, optimizer, mesh
+    self.shard_optimizer = shard_optimizer
+    self.predict = predict
+    if predict is not None and self.pipelined:
+      raise ValueError(f"schedule '{self.name}' cannot take gradients at predicted weights; "
+                       "only schedule none can (the one-device simulation)")
     self.num_stages = mesh.shape[STAGE]
     self.num_data = mesh.shape[DATA]
     self.num_microbatches = num_microbatches
@@ -236,15 +265,43 @@ class Schedule:
     """Shardings of a parameter tree (see `param_specs`)."""
     return jax.tree.map(self._named, self.param_specs(params, lead))
 
+  def opt_param_specs(self, params: Tree) -> Tree:
+    """PartitionSpecs of the optimizer's parameter-shaped state (ZeRO-1 over 'data').
+
+    Each leaf keeps its parameter's spec and, with `shard_optimizer` on a
+    mesh of D > 1 replicas, is also split D ways over 'data': each replica
+    then updates its slice and the new weights are gathered. The axis is the
+    first, in this order, whose size allows it: the stacking axes of a leaf
+    with three or more (layers, experts; so that Muon orthogonalises whole
+    matrices, each on one replica), then the others. An axis already split
+    over 'stage' takes ('stage', 'data') when S x D divides it. A leaf with
+    no such axis stays replicated over 'data'.
+    """
+    specs = self.param_specs(params)
+    if not self.shard_optimizer or self.num_data == 1:
+      return specs
+    return jax.tree.map(lambda x, spec: _data_split(x.shape, spec, self.num_stages,
+                                                    self.num_data),
+                        params, specs)
+
   def opt_shardings(self, params: Tree, opt_state: Tree) -> Tree:
-    """Shardings of the optimizer state: each parameter-shaped copy follows its parameter."""
-    specs = self.param_shardings(params)
+    """Shardings of the optimizer state: each parameter-shaped copy as `opt_param_specs` says."""
+    specs = jax.tree.map(lambda x, spec: _Spec(spec, len(x.shape)), params,
+                         self.opt_param_specs(params))
     masked = lambda x: isinstance(x, optax.MaskedNode)
-    # Partitioned optimizers hold MaskedNode placeholders where a group does
-    # not apply; they stay placeholders.
-    return optax.tree_map_params(
-        self.opt, lambda x, spec: x if masked(x) else spec, opt_state, specs,
-        transform_non_params=lambda _: self.replicated(), is_leaf=masked)
+
+    def place(x, spec):
+      # Partitioned optimizers hold MaskedNode placeholders where a group
+      # does not apply; they stay placeholders. Buffers with extra leading
+      # axes (the delay's slots) keep their parameter's layout behind them.
+      if masked(x):
+        return x
+      lead = len(x.shape) - spec.ndim
+      return self._named(P(*([None] * lead), *spec.spec) if lead else spec.spec)
+
+    return optax.tree_map_params(self.opt, place, opt_state, specs,
+                                 transform_non_params=lambda _: self.replicated(),
+                                 is_leaf=masked)
 
   def _field_specs(self, state: NamedTuple, params: Tree) -> NamedTuple:
     """PartitionSpecs of every field of a typed state (opt: None, see `state_shardings`)."""
@@ -296,10 +353,18 @@ class Schedule:
   def _update(self, params, opt_state, grads, allowed):
     """Applies the optimizer when `allowed` and every gradient is finite."""
     finite = _all_finite(grads)
+    if self.shard_optimizer and self.num_data > 1:
+      # Pinned at both ends, so that XLA computes the update on each
+      # replica's slice (the gradient is already whole on every replica) and
+      # gathers only the finished update, rather than updating whole copies.
+      sliced = jax.tree.map(self._named, self.opt_param_specs(params))
+      pin = lambda t: lax.with_sharding_constraint(t, sliced)
+    else:
+      pin = lambda t: t
 
     def apply(_):
-      updates, new_state = self.opt.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), new_state
+      updates, new_state = self.opt.update(pin(grads), opt_state, params)
+      return optax.apply_updates(params, pin(updates)), new_state
 
     params, opt_state = lax.cond(allowed & finite, apply, lambda _: (params, opt_state), None)
     return params, opt_state, finite
@@ -526,7 +591,8 @@ class NoPipeline(Schedule):
     return jax.tree.map(lambda x: x / m, g), loss / m
 
   def _step_fn(self, state, tokens, targets):
-    grads, loss = self._grads(state.params, tokens, targets)
+    at = state.params if self.predict is None else self.predict(state.params, state.opt_state)
+    grads, loss = self._grads(at, tokens, targets)
     params, opt_state, finite = self._update(state.params, state.opt_state, grads,
                                              jnp.array(True))
     metrics = self._grad_metrics(grads, loss, state.step, finite)
@@ -832,7 +898,12 @@ def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformat
                   mesh: Mesh, num_microbatches: int, **kwargs) -> Schedule:
   """Returns the schedule called `name` on `mesh` (see module docstring).
 
-  Keyword arguments: `stash` ('inputs' or 'residuals', see `Engine`).
+  Keyword arguments: `stash` ('inputs' or 'residuals', see `Engine`);
+  `shard_optimizer` (default True: ZeRO-1, the optimizer's parameter-shaped
+  state split over 'data', see `Schedule.opt_param_specs`); `predict`
+  (schedule none only: a function (params, opt_state) -> the weights the
+  gradient is taken at, e.g. `jaxpipe.optim.predicted_params`; the update is
+  applied to params, and evaluation uses params).
   """
   if name not in _CLASSES:
     raise ValueError(f"unknown schedule '{name}'; choose from {', '.join(SCHEDULE_NAMES)}")
