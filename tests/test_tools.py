@@ -329,6 +329,24 @@ def test_planner_tiny_matches_hand_computation():
   assert 0.70 < p.work["residuals"][0] / p.work["inputs"][0] < 0.80
 
 
+def test_planner_head_counts_the_loss_chunk():
+  """model.loss_chunk=N: the head's working set holds N tokens' logits, not a microbatch's."""
+  from jaxpipe.cli import planner  # pylint: disable=g-import-not-at-top
+  from jaxpipe import config as config_lib
+  base = ["pipeline.schedule=gpipe", "pipeline.stages=4", "pipeline.microbatches=2"]
+  load = lambda *extra: planner.plan(config_lib.load(os.path.join(CONFIGS, "tiny.yaml"),
+                                                     [*base, *extra]))
+  whole, chunked, big = load(), load("model.loss_chunk=16"), load("model.loss_chunk=100000")
+  # 4 rows x 32 tokens per microbatch per device, 65 vocabulary columns per
+  # stage; logits, exponentials and their gradient in float32.
+  saved = 3 * (4 * 32 - 16) * 65 * 4
+  for stash in ("inputs", "residuals"):
+    assert whole.bytes["none"]["inputs"]["ticks"] - chunked.bytes["none"]["inputs"]["ticks"] \
+        == 3 * (4 * 32 - 16) * 257 * 4
+    assert whole.bytes["gpipe"][stash]["ticks"] - chunked.bytes["gpipe"][stash]["ticks"] >= saved
+    assert big.bytes["gpipe"][stash] == whole.bytes["gpipe"][stash]  # a chunk past the tokens
+
+
 def test_planner_residuals_of_full_remat_are_the_block_inputs():
   """remat=full keeps each block's input and nothing else: L/S stage inputs per slot."""
   from jaxpipe.cli import planner  # pylint: disable=g-import-not-at-top

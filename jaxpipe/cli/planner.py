@@ -269,11 +269,16 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
     prepared = jax.eval_shape(fns.prepare, blk)
     recompute = _bytes(residual_shapes(fns.stage, prepared, x_like))
     # The head's working set: float32 logits of this device's vocabulary
-    # slice, their exponentials and their gradient, and the output layer's
-    # weight gradient (the embedding's is a scatter into its accumulator).
+    # slice, their exponentials and their gradient, for the tokens the head
+    # computes at once (a microbatch, or `model.loss_chunk` of them), and the
+    # output layer's weight gradient (the embedding's is a scatter into its
+    # accumulator).
     vocab_local = max([x.shape[a] for x, a in zip(jax.tree.leaves(local), vocab_axes)
                        if a is not None] or [cfg.model.vocab_size])
-    head = 3 * rows * cfg.data.seq_len * vocab_local * 4 + max(
+    head_tokens = rows * cfg.data.seq_len
+    if cfg.model.loss_chunk:
+      head_tokens = min(head_tokens, cfg.model.loss_chunk)
+    head = 3 * head_tokens * vocab_local * 4 + max(
         [int(x.size) * 4 for x, a in zip(jax.tree.leaves(local), vocab_axes) if a is not None]
         or [0])
     for stash in stashes:
