@@ -4,8 +4,10 @@ One frozen dataclass per section is the single source of truth for every knob;
 a field's comment is its documentation. `load(path, overrides)` reads a YAML
 file, applies overrides such as `optimizer.lr=3e-4`, rejects unknown keys and
 mistyped values with a `ConfigError` that names the key, and checks the
-arithmetic between sections (layers per stage, microbatch sizes). This module
-imports no JAX, so tools can read configs cheaply.
+arithmetic between sections (layers per stage, microbatch sizes). Each layer
+owns its section's dataclass where it has one (`ModelConfig` is the model's,
+`jaxpipe/model/_config.py`); this module composes them. It imports no JAX,
+so tools can read configs cheaply.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from jaxpipe.errors import ConfigError
+# The model owns its section; this module composes the sections.
+from jaxpipe.model._config import ModelConfig, MoEConfig
 
 __all__ = [
     "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",
@@ -53,47 +57,6 @@ class DataConfig:
   cache_dir: str = ""            # where the embedded corpus is tokenised; "" = ~/.cache/jaxpipe
   batch_size: int = 16           # global batch in sequences per step, whatever the mesh
   seq_len: int = 64              # tokens per sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-  num_experts: int = 0           # 0 = dense SwiGLU MLP in every block
-  top_k: int = 2                 # experts per token
-  capacity_factor: float = 1.25  # expert slots = capacity_factor * tokens * top_k / num_experts
-  aux_loss_coeff: float = 0.01   # weight of the load-balancing loss
-  ffn_dim: int = 0               # hidden size of one expert; 0 = model.ffn_dim
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  vocab_size: int = 0            # 0 = take it from the tokenizer
-  dim: int = 64                  # residual width
-  n_layers: int = 4              # transformer blocks, stacked along a leading axis
-  n_heads: int = 4               # query heads
-  n_kv_heads: int = 2            # key/value heads (grouped-query attention)
-  ffn_dim: int = 0               # SwiGLU hidden size; 0 = 8/3 * dim rounded up to 32
-  tie_embeddings: bool = False   # share the input embedding with the output head
-  rope_theta: float = 10000.0
-  norm_eps: float = 1e-5
-  init_std: float = 0.02
-  remat: str = "none"            # inside each block: none | full (recompute all) | dots (keep matmul outputs)
-  param_dtype: str = "float32"   # master weights and optimizer state
-  compute_dtype: str = "float32" # matmuls and activations (bfloat16 on accelerators)
-  # auto | xla | blockwise | cudnn. xla keeps [batch, heads, seq, seq]
-  # probabilities for the backward; blockwise and cudnn (NVIDIA GPUs, bf16/fp16)
-  # keep memory linear in seq; auto = cudnn where it runs, else blockwise above
-  # 1024 tokens, else xla (jaxpipe/model/_attention.py).
-  attention: str = "auto"
-  # Tokens whose float32 logits the head and loss compute at once; the
-  # backward recomputes each chunk's. 0 = a whole microbatch's at once
-  # (rows x seq x vocab x 4 bytes, kept for the backward).
-  loss_chunk: int = 0
-  # A Hugging Face Llama directory (config.json, model.safetensors) whose weights
-  # a fresh run starts from instead of a random init; the model.* keys must
-  # match its shape (docs/huggingface.md). A resumed run reads its own
-  # checkpoint and never this directory again.
-  init_from: str = ""
-  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""Reading a finished (or running) run directory back: its config and newest weights.
+"""Reading a finished (or running) run directory back: its records, config and newest weights.
+
+`read_records(run_dir)` is the one reader of metrics.jsonl: the trainer's
+resume, the plot and study tools and the tests all go through it.
 
 `load_params(run_dir, step)` is what export and generation start from: the
 run's config and the weights that the next batch would have run on, in the
@@ -11,6 +14,7 @@ training keeps its partial saves.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional
 
@@ -20,7 +24,38 @@ from jaxpipe import config as config_lib
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, InputError
 
-__all__ = ["load_params", "checkpoint_steps"]
+__all__ = ["load_params", "checkpoint_steps", "read_records", "losses", "METRICS"]
+
+METRICS = "metrics.jsonl"
+
+
+def read_records(run_dir: str, *, strict: bool = False) -> list[dict[str, Any]]:
+  """Every record of `run_dir`/metrics.jsonl in file order ([] without the file).
+
+  Training records carry "loss" (null when it was not finite), evaluations
+  "val_loss"; both carry "step". A line that is not JSON (the last one, cut
+  short by a kill) is skipped, or with `strict` raises ValueError naming it.
+  """
+  path = os.path.join(run_dir, METRICS)
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        if strict:
+          raise ValueError(f"{path}:{n} is not a JSON line") from None
+  return out
+
+
+def losses(run_dir: str, key: str = "loss", *,
+           strict: bool = False) -> dict[int, Optional[float]]:
+  """step -> the records' `key` ("loss" or "val_loss"; None where it was not finite)."""
+  return {r["step"]: r[key] for r in read_records(run_dir, strict=strict) if key in r}
 
 # Where each schedule's state keeps the newest weights (`Schedule.newest`):
 # a field of the state, the first element of the saved (state, rng) pair.

@@ -3,8 +3,9 @@
 `build(cfg)` makes every piece of a run from its config; `train(cfg)` runs it:
 resume or start, then per step fetch a batch, run the schedule's jitted step,
 log, evaluate, checkpoint; stop cleanly on SIGTERM/SIGINT; guard against
-non-finite values. The loop is short on purpose; the work lives in the
-packages it calls.
+non-finite values. The loop (`_train`) is short on purpose: each concern it
+calls is a named piece of `jaxpipe._loop`, and the work lives in the packages
+those call.
 
 Files in `run.dir`:
   config.yaml    the resolved config (and the git commit that ran it)
@@ -17,20 +18,17 @@ Files in `run.dir`:
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import signal
 import subprocess
-import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from jaxpipe import _loop
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
 from jaxpipe import launch
@@ -166,110 +164,11 @@ def _rows_of_process(sharding: jax.sharding.NamedSharding, shape) -> tuple[int, 
   return lo // size, rows // size
 
 
-class _Metrics:
-  """metrics.jsonl (process 0 only) and TensorBoard scalars."""
-
-  def __init__(self, run_dir: str, start_step: int, lag: int, enabled: bool):
-    self.enabled = enabled
-    self.path = os.path.join(run_dir, "metrics.jsonl")
-    self.val_steps: set[int] = set()  # evaluations already on file
-    self._tb = None
-    if not enabled:
-      return
-    self._truncate(start_step, lag)
-    self._file = open(self.path, "a")
-    try:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
-    except ImportError:
-      self._tb = None
-
-  def _truncate(self, start_step: int, lag: int) -> None:
-    # A resumed run rewrites what came after its checkpoint: training records
-    # of batches it will report again, evaluations it will repeat; a run
-    # that starts over (at step 0) rewrites everything.
-    if not os.path.exists(self.path):
-      return
-    if start_step == 0:
-      os.remove(self.path)
-      return
-    keep = []
-    self.val_steps = set()
-    with open(self.path) as f:
-      for line in f:
-        try:
-          rec = json.loads(line)
-        except json.JSONDecodeError:
-          continue  # a line cut short by a kill
-        if "val_loss" in rec and rec["step"] <= start_step:
-          keep.append(line)
-          self.val_steps.add(rec["step"])
-        elif "loss" in rec and rec["step"] < start_step - lag:
-          keep.append(line)
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(l if l.endswith("\n") else l + "\n" for l in keep)
-    os.replace(tmp, self.path)
-
-  def write(self, record: dict[str, Any]) -> None:
-    if not self.enabled:
-      return
-    # JSON has no NaN: a non-finite value is written as null.
-    record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-              for k, v in record.items()}
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
-    if self._tb is not None:
-      for key, value in record.items():
-        if key != "step" and isinstance(value, (int, float)):
-          group = "val" if key.startswith("val") else "train"
-          self._tb.add_scalar(f"{group}/{key}", value, record["step"])
-
-  def close(self) -> None:
-    if self.enabled:
-      self._file.close()
-      if self._tb is not None:
-        self._tb.close()
-
-
-class _Profile:
-  """A `jax.profiler` trace of steps START..STOP-1 (`run.profile=START:STOP`) in run.dir/profile."""
-
-  def __init__(self, spec: str, run_dir: str, is_main: bool):
-    self.window = config_lib.profile_window(spec)
-    self.dir = os.path.join(run_dir, "profile")
-    self.is_main = is_main
-    self.active = False
-
-  def before(self, step: int) -> None:
-    """Starts the trace before step START is dispatched."""
-    if self.window and step == self.window[0] and not self.active:
-      jax.profiler.start_trace(self.dir)
-      self.active = True
-
-  def after(self, step: int) -> None:
-    """Stops the trace once step STOP-1 has finished."""
-    if self.active and step == self.window[1] - 1:
-      self.close()
-
-  def close(self) -> None:
-    if self.active:
-      jax.profiler.stop_trace()
-      self.active = False
-      if self.is_main:
-        _say(f"wrote a profile of steps {self.window[0]}-{self.window[1] - 1} to {self.dir} "
-             "(open it with TensorBoard's profile plugin, xprof or Perfetto)")
-
-
 def _meta(cfg: Config, step: int) -> dict[str, Any]:
   return {"config": config_lib.to_dict(cfg), "step": step, "jaxpipe_commit": _git_commit()}
 
 
-def _say(msg: str) -> None:
-  """Prints a message on stderr, above the progress bar if one is showing."""
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  tqdm.write(msg, file=sys.stderr)
-  sys.stderr.flush()
+_say = _loop.say
 
 
 def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[str, Any]:
@@ -408,25 +307,27 @@ def _initial_state(run: Run, params: Any, batch_shape):
   return schedule.init(placed, batch_shape)
 
 
-def _kill_at(point: Optional[tuple[str, int]], moment: str, step: int) -> None:
-  """`run.debug_kill`: SIGKILL this process at the named moment (for tests of kills)."""
-  if point == (moment, step):
-    os.kill(os.getpid(), signal.SIGKILL)
+class _Begun(NamedTuple):
+  """Where the loop starts: the step, the state and key, the data iterator, the batch placer."""
+  start: int
+  latest: Optional[int]
+  state: Any
+  rng: Any
+  it: Any
+  to_global: Callable[[np.ndarray], jax.Array]
+  shard: tuple[int, int]
 
 
-def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
-           init_params: Any = None) -> dict[str, Any]:
-  """The body of `train`, with the checkpointer it closes (and model.init_from's weights)."""
-  cfg = run.cfg
+def _begin(run: Run, ckpt: Checkpointer, require_resume: bool, init_params: Any) -> _Begun:
+  """Builds or resumes the state and the data iterator; writes config.yaml."""
+  cfg, schedule = run.cfg, run.schedule
   is_main = jax.process_index() == 0
-  run_dir = cfg.run.dir
-  kill = config_lib.kill_point(cfg.run.debug_kill)
   latest = ckpt.latest_step()
   restart = False
   if latest is None:
     if require_resume:
       raise CheckpointError(f"--resume: no checkpoint in {ckpt.directory}")
-    restart = _check_fresh_start(run_dir, cfg, ckpt)
+    restart = _check_fresh_start(cfg.run.dir, cfg, ckpt)
     meta = None
   else:
     meta = ckpt.read_meta(latest)
@@ -440,7 +341,6 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   if is_main and need > 1 and jax.default_backend() == "cpu":
     _say(f"no accelerator found: emulating {need} devices on the CPU "
          f"({jax.local_device_count()} per process)")
-  schedule, lag = run.schedule, run.schedule.loss_lag
   batch_shape = run.batch_shape
   if latest is None and cfg.model.init_from:
     state = _initial_state(run, init_params if init_params is not None
@@ -454,12 +354,11 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
       schedule.replicated(), np.asarray(jax.random.key_data(jax.random.key(cfg.run.seed))))
 
   sharding = schedule.batch_sharding()
-  global_shape = batch_shape
-  shard_index, shard_count = _rows_of_process(sharding, global_shape)
+  shard = _rows_of_process(sharding, batch_shape)
   it = data_lib.train_iterator(
       run.data, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
       num_microbatches=cfg.pipeline.microbatches, seed=cfg.run.seed,
-      shard_index=shard_index, shard_count=shard_count)
+      shard_index=shard[0], shard_count=shard[1])
   start = 0
   if latest is not None:
     state, rng, data_state = _restore(run, ckpt, latest, meta.get("config", {}), state, rng)
@@ -471,227 +370,113 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
     _say(f"no checkpoint in {ckpt.directory}: the earlier attempt stopped before its first "
          "one was saved; starting over from step 0")
   if is_main:
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+    with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
       f.write(f"# jaxpipe resolved config; commit {_git_commit()}\n")
       yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
+  to_global = lambda x: jax.make_array_from_process_local_data(sharding, x, batch_shape)
+  return _Begun(start, latest, state, rng, it, to_global, shard)
 
-  def to_global(x: np.ndarray) -> jax.Array:
-    return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
-  eval_sets = [
-      (to_global(b["tokens"]), to_global(b["targets"])) for b in data_lib.eval_batches(
-          run.data, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-          num_microbatches=cfg.pipeline.microbatches, num_batches=cfg.eval.batches,
-          shard_index=shard_index, shard_count=shard_count)]
+def _evaluation(run: Run, begun: _Begun) -> _loop.Evaluation:
+  """The run's validation batches, placed on the mesh once."""
+  cfg = run.cfg
+  batches = [(begun.to_global(b["tokens"]), begun.to_global(b["targets"]))
+             for b in data_lib.eval_batches(
+                 run.data, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
+                 num_microbatches=cfg.pipeline.microbatches, num_batches=cfg.eval.batches,
+                 shard_index=begun.shard[0], shard_count=begun.shard[1])]
+  return _loop.Evaluation(run.schedule, batches, cfg.eval.every, cfg.run.steps)
 
-  def evaluate(st) -> Optional[float]:
-    if not eval_sets:
-      return None
-    return float(np.mean([float(schedule.eval_loss(st, *b)) for b in eval_sets]))
 
-  log = _Metrics(run_dir, start, lag, is_main)
-  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-  # Useful model FLOPs per step, spread over every device of the mesh.
-  flops_per_device = (model_lib.flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-                      / (cfg.pipeline.stages * cfg.mesh.data))
-  peak = peak_tflops(cfg)
-
-  def speed(seconds: Optional[float]) -> dict[str, float]:
-    if not seconds:
-      return {}
-    out = {"tokens_per_s": tokens_per_step / seconds,
-           "tflops_per_device": flops_per_device / seconds / 1e12}
-    if peak:
-      out["mfu"] = out["tflops_per_device"] / peak
-    return out
-
-  step_times: dict[int, float] = {}
-  summary: dict[str, Any] = {"exit_code": 0, "skipped": 0, "start_step": start,
-                             "is_main": is_main}
-  first_val = None
-  if start == 0 and eval_sets:
-    first_val = evaluate(state)
-    log.write({"step": 0, "val_loss": first_val})
-
-  def record(k: int, loss: float, extra: dict[str, Any]) -> None:
-    # The rate comes out of float32 arithmetic: print its 7 significant digits.
-    seconds = step_times.pop(k, None)
-    rec = {"step": k, "loss": loss, "lr": float(f"{float(run.lr_schedule(k)):.7g}"),
-           "tokens": (k + 1) * tokens_per_step, "step_time_s": seconds, **speed(seconds)}
-    rec.update(extra)
-    log.write(rec)
-    summary["train_loss"] = loss
-    summary["train_loss_step"] = k
-    _kill_at(kill, "record", k)
-
-  stop_signal = []
-
-  def on_signal(signum, frame):
-    del frame
-    if stop_signal:  # a second signal: stop now
-      raise KeyboardInterrupt
-    stop_signal.append(signum)
-
-  handlers = {}
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    try:
-      handlers[sig] = signal.signal(sig, on_signal)
-    except ValueError:  # not the main thread: leave signals alone
-      pass
-
-  bar = None
-  if is_main and cfg.run.progress:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-    bar = tqdm(total=cfg.run.steps, initial=start, unit="step", dynamic_ncols=True,
-               file=sys.stderr, desc=f"{cfg.pipeline.schedule}")
-
-  saved_at = latest
-  steady = [0, 0.0]  # steps after the first, and their seconds
-  t_run = time.time()
-  profile = _Profile(cfg.run.profile, run_dir, is_main)
-  # With nan_policy=stop, step k+1 runs only if step k's update was finite:
-  # it is queued before the host has read step k's metrics, and the state is
-  # donated, so the device program itself keeps the last good state.
-  halt = cfg.run.nan_policy == "stop"
-  go = jax.device_put(np.asarray(True), schedule.replicated()) if halt else None
-  clock = {"ready": None}
-
-  def settle(k: int, met_dev: Any, dispatched: float) -> bool:
-    """Reads step k's metrics (waiting for it), records them; False: stop (non-finite)."""
-    met = jax.device_get(met_dev)
-    now = time.time()
-    # A step's time is the interval between two steps' completions, so time
-    # the host spends between steps (and a stalled device) is counted.
-    since = clock["ready"] if clock["ready"] is not None else dispatched
-    step_times[k] = now - since
-    clock["ready"] = now
-    if k > start:  # the first step of a process includes compilation
-      steady[0] += 1
-      steady[1] += step_times[k]
-    j = int(met["loss_step"])
-    finite = bool(met["finite"])
-    if not finite and cfg.run.nan_policy == "skip":
-      summary["skipped"] += 1
-    if j >= 0:
-      record(j, float(met["loss"]), {"grad_norm": float(met["grad_norm"]),
-                                     "skipped": summary["skipped"]})
-    if not finite:
-      where = _where_nonfinite(met, schedule.num_stages)
-      if cfg.run.nan_policy == "stop":
-        summary["stopped_at"] = (k, k - lag, where)
-        return False
-      _say(f"skipped the update of step {k}: non-finite loss or gradient of batch "
-           f"{k - lag} {where} ({summary['skipped']} skipped so far)")
-    if bar is not None:
-      if j >= 0 and ((k + 1) % cfg.run.log_every == 0 or k + 1 == cfg.run.steps):
-        fast = speed(step_times.get(k))
-        bar.set_postfix(loss=f"{float(met['loss']):.4f}",
-                        tok_s=f"{fast.get('tokens_per_s', 0):.0f}",
-                        **({"mfu": f"{fast['mfu']:.1%}"} if "mfu" in fast else {}))
-      bar.update(1)
-    profile.after(k)
-    return True
+def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
+           init_params: Any = None) -> dict[str, Any]:
+  """The body of `train`, with the checkpointer it closes (and model.init_from's weights)."""
+  cfg, schedule = run.cfg, run.schedule
+  steps, kill = cfg.run.steps, config_lib.kill_point(cfg.run.debug_kill)
+  begun = _begin(run, ckpt, require_resume, init_params)
+  start, state, rng, it = begun.start, begun.state, begun.rng, begun.it
+  evaluate = _evaluation(run, begun)
+  policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
+  report = _loop.Report(cfg, run.lr_schedule, start, schedule.loss_lag,
+                        jax.process_index() == 0, policy, kill)
+  saves = _loop.CheckpointPolicy(
+      ckpt, cfg.checkpoint.every, steps, begun.latest, kill=kill,
+      payload=lambda k: ((state, rng), it.get_state(), _meta(cfg, k)))
+  if start == 0 and evaluate.batches:
+    report.summary["first_val_loss"] = evaluate(state)
+    report.validation(0, report.summary["first_val_loss"])
 
   def stop_nonfinite() -> None:
     # The step after the bad one did nothing (go was false), so `state` is
     # the last good state: the bad step's update was skipped.
-    k, batch_k, where = summary["stopped_at"]
-    ckpt.save(k + 1, (state, rng), it.get_state(), _meta(cfg, k + 1))
-    ckpt.wait()
+    k, batch_k, where = policy.stopped_at
+    saves.save(k + 1, wait=True, crash_point=False)
     _say(f"stopped: non-finite loss or gradient of batch {batch_k} (step {k}) {where}; "
          f"the last good state is saved as step {k + 1} in {ckpt.directory}")
-    summary["exit_code"] = EXIT_NONFINITE
+    report.summary["exit_code"] = EXIT_NONFINITE
 
   pending = None  # (step, its metrics on the device, dispatch time)
-  step = start
-  try:
-    for step in range(start, cfg.run.steps):
-      batch = next(it)  # the host prepares batch k while the devices run step k-1
-      if step == cfg.run.debug_nan_step:
-        batch["targets"] = np.full_like(batch["targets"], -1)
-      tokens, targets = to_global(batch["tokens"]), to_global(batch["targets"])
-      profile.before(step)
-      t0 = time.time()
-      state, met = schedule.step(state, tokens, targets, go)
-      if halt:
-        go = met["finite"]
-      previous, pending = pending, (step, met, t0)
-      if previous is not None and not settle(*previous):
-        pending = None
-        stop_nonfinite()
-        break
-      done = step + 1
-      if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
-        log.write({"step": done, "val_loss": evaluate(state)})
-      if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.run.steps:
-        ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
-        saved_at = done
-        _kill_at(kill, "save", done)
-      if stop_signal:
-        ok, pending = settle(*pending), None
-        if not ok:
+  with _loop.Signals() as signals:
+    try:
+      for step in range(start, steps):
+        batch = next(it)  # the host prepares batch k while the devices run step k-1
+        if step == cfg.run.debug_nan_step:
+          batch["targets"] = np.full_like(batch["targets"], -1)
+        report.profile.before(step)
+        t0 = time.time()
+        state, met = schedule.step(state, begun.to_global(batch["tokens"]),
+                                   begun.to_global(batch["targets"]), policy.go)
+        policy.dispatched(met)
+        previous, pending = pending, (step, met, t0)
+        if previous is not None and not report.settle(*previous):
           stop_nonfinite()
           break
-        if saved_at != done:
-          ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
-        ckpt.wait()
-        saved_at = done
-        name = signal.Signals(stop_signal[0]).name
-        _say(f"interrupted by {name} after step {done} of {cfg.run.steps}: checkpoint saved in "
-             f"{ckpt.directory}; run the same command to resume")
-        summary["exit_code"] = EXIT_INTERRUPTED + stop_signal[0]
-        break
-    else:
-      if pending is not None and not settle(*pending):
-        stop_nonfinite()
+        done = step + 1
+        if evaluate.due(done):
+          report.validation(done, evaluate(state))
+        if saves.due(done):
+          saves.save(done)
+        if signals.stop:
+          ok, pending = report.settle(*pending), None
+          if not ok:
+            stop_nonfinite()
+            break
+          saves.save(done, wait=True, crash_point=False)
+          _say(f"interrupted by {signal.Signals(signals.stop).name} after step {done} of "
+               f"{steps}: checkpoint saved in {ckpt.directory}; run the same command to resume")
+          report.summary["exit_code"] = EXIT_INTERRUPTED + signals.stop
+          break
       else:
-        # Every process runs the end of a run (evaluation is a collective), also
-        # when a finished run is started again: its last reports are redone.
-        done = cfg.run.steps
-        if start == done and is_main:
-          _say(f"the run in {run_dir} is already complete at step {done}; raise run.steps "
-               "to continue it")
-        pending_loss = schedule.pending_loss(state)
-        if pending_loss is not None:
-          # The last batch's gradient is still in flight: it has no norm yet.
-          record(done - 1, float(pending_loss), {"grad_norm": None,
-                                                 "skipped": summary["skipped"]})
-        val = evaluate(state)
-        if val is not None:
-          if done not in log.val_steps:
-            log.write({"step": done, "val_loss": val})
-          summary["val_loss"] = val
-        if saved_at != done:
-          ckpt.save(done, (state, rng), it.get_state(), _meta(cfg, done))
-          _kill_at(kill, "save", done)
-  finally:
-    profile.close()
-    if bar is not None:
-      bar.close()
-    for sig, handler in handlers.items():
-      signal.signal(sig, handler)
-    log.close()
-
-  elapsed = time.time() - t_run
-  summary.update({"steps": cfg.run.steps, "elapsed_s": elapsed, "first_val_loss": first_val,
-                  "tokens_per_s": steady[0] * tokens_per_step / steady[1] if steady[1] else 0.0,
-                  "state": state, "run": run})
-  if peak and steady[1]:
-    summary["mfu"] = speed(steady[1] / steady[0])["mfu"]
-  return summary
+        if pending is not None and not report.settle(*pending):
+          stop_nonfinite()
+        else:
+          _finish(run, report, saves, evaluate, state, start)
+    finally:
+      report.close()
+  return report.finish(state, run)
 
 
-def _where_nonfinite(met: dict[str, Any], num_stages: int) -> str:
-  bad = [s for s in range(num_stages) if not bool(np.asarray(met["stage_finite"])[s])]
-  parts = []
-  if bad:
-    parts.append("in the blocks of stage " + ", ".join(map(str, bad)))
-  if not bool(met["shared_finite"]):
-    parts.append("in the embedding/head parameters (stage 0 / stage "
-                 f"{num_stages - 1})")
-  if not parts:
-    parts.append("in the loss")
-  return " and ".join(parts)
+def _finish(run: Run, report: _loop.Report, saves: _loop.CheckpointPolicy,
+            evaluate: _loop.Evaluation, state: Any, start: int) -> None:
+  """The end of a run: the last batch's loss, the final evaluation and checkpoint.
+
+  Every process runs it (evaluation is a collective), also when a finished
+  run is started again: its last reports are redone.
+  """
+  done = run.cfg.run.steps
+  if start == done and report.summary["is_main"]:
+    _say(f"the run in {run.cfg.run.dir} is already complete at step {done}; raise run.steps "
+         "to continue it")
+  pending_loss = run.schedule.pending_loss(state)
+  if pending_loss is not None:
+    # The last batch's gradient is still in flight: it has no norm yet.
+    report.record(done - 1, float(pending_loss), {"grad_norm": None,
+                                                  "skipped": report.summary["skipped"]})
+  val = evaluate(state)
+  if val is not None:
+    report.validation(done, val)
+    report.summary["val_loss"] = val
+  saves.save(done)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
+
+from jaxpipe import runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
@@ -50,22 +51,18 @@ def wait_for(predicate, timeout: float = 120.0, interval: float = 0.01) -> bool:
 
 
 def records(run_dir: str) -> list[dict]:
-  """Every record of metrics.jsonl."""
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """Every record of metrics.jsonl (a line that is not JSON fails the test)."""
+  return runs.read_records(run_dir, strict=True)
 
 
 def train_losses(run_dir: str) -> dict[int, float]:
   """step -> training loss."""
-  return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+  return runs.losses(run_dir, "loss", strict=True)
 
 
 def val_losses(run_dir: str) -> dict[int, float]:
   """step -> validation loss."""
-  return {r["step"]: r["val_loss"] for r in records(run_dir) if "val_loss" in r}
+  return runs.losses(run_dir, "val_loss", strict=True)
 
 
 def checkpoints(run_dir: str) -> list[int]:

@@ -96,10 +96,8 @@ def _mtimes(out: str) -> dict[str, float]:
 
 def _cut_metrics(run_dir: str, after: int) -> None:
   """Leaves the records a kill right after step `after`'s checkpoint would leave."""
-  path = os.path.join(run_dir, "metrics.jsonl")
-  with open(path) as f:
-    recs = [json.loads(l) for l in f if l.strip()]
-  with open(path, "w") as f:
+  recs = _runs.records(run_dir)
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
     for r in recs:
       if r["step"] < after or ("val_loss" in r and r["step"] <= after):
         f.write(json.dumps(r) + "\n")

@@ -52,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxpipe import runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 TRAIN = os.path.join(ROOT, "train.py")
@@ -233,21 +234,13 @@ def read_records(run_dir: str) -> tuple[dict[int, float], dict[int, float], list
   skipped.
   """
   train, val, times = {}, {}, []
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return train, val, times
-  with open(path) as f:
-    for line in f:
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if "val_loss" in rec:
-        val[rec["step"]] = math.nan if rec["val_loss"] is None else float(rec["val_loss"])
-      elif "loss" in rec:
-        train[rec["step"]] = math.nan if rec["loss"] is None else float(rec["loss"])
-        if rec.get("step_time_s") is not None:
-          times.append(float(rec["step_time_s"]))
+  for rec in runs.read_records(run_dir):
+    if "val_loss" in rec:
+      val[rec["step"]] = math.nan if rec["val_loss"] is None else float(rec["val_loss"])
+    elif "loss" in rec:
+      train[rec["step"]] = math.nan if rec["loss"] is None else float(rec["loss"])
+      if rec.get("step_time_s") is not None:
+        times.append(float(rec["step_time_s"]))
   return train, val, times
 
 
@@ -826,17 +819,9 @@ def plot_results(summary: dict[str, Any], out: str) -> list[str]:
       if ks:
         ax.plot([k * per_step for k in ks], [curve[k] for k in ks], style, marker="o",
                 markersize=3, color=palette[i % len(palette)], label=f"{opt}: {label}")
-  ax.axhline(0.0, color="black", linewidth=0.8)
-  ax.set_xlabel("tokens per parameter")
-  ax.set_ylabel("validation-loss gap to synchronous")
-  ax.set_title("The delay's gap against training length")
-  ax.grid(alpha=0.3)
-  if ax.get_legend_handles_labels()[0]:
-    ax.legend(fontsize=8)
-  fig.tight_layout()
   gap_png = os.path.join(out, "gap_vs_length.png")
-  fig.savefig(gap_png)
-  plt.close(fig)
+  _save_gap_plot(plt, fig, ax, "tokens per parameter", "validation-loss gap to synchronous",
+                 "The delay's gap against training length", gap_png)
   return [curves_png, gap_png]
 
 
@@ -1109,10 +1094,16 @@ def plot_sizes(summary: dict[str, Any], path: str) -> None:
         ax.plot(*zip(*pts), style, marker="o", color=palette[i % len(palette)],
                 label=f"{opt}: {label}")
   ax.set_xscale("log")
+  _save_gap_plot(plt, fig, ax, "parameters", "final validation-loss gap to synchronous",
+                 "The delay's gap against model size", path)
+
+
+def _save_gap_plot(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> None:
+  """Finishes a plot of gaps (a zero line, labels, a legend if any) and writes it."""
   ax.axhline(0.0, color="black", linewidth=0.8)
-  ax.set_xlabel("parameters")
-  ax.set_ylabel("final validation-loss gap to synchronous")
-  ax.set_title("The delay's gap against model size")
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=8)

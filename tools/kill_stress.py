@@ -15,7 +15,6 @@ the exit status is 1 if any trial did not continue exactly.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -26,6 +25,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from jaxpipe import runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 BASE = ["run.steps=14", "checkpoint.every=3", "eval.every=7", "pipeline.schedule=2bw",
         "pipeline.stages=2", "optimizer.name=muon", "optimizer.error_feedback=1"]
 
@@ -36,17 +37,7 @@ def _command(run_dir: str, overrides: list[str]) -> list[str]:
 
 
 def _records(run_dir: str) -> list[dict]:
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  out = []
-  with open(path) as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        pass  # a line cut short by the kill
-  return out
+  return runs.read_records(run_dir)  # a line cut short by the kill is skipped
 
 
 def _losses(run_dir: str) -> tuple[dict, dict]:

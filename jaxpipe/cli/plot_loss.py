@@ -11,30 +11,23 @@ x axis is optimizer steps, or tokens with --x tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+from jaxpipe import runs
 
 
 def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
   """(training records, validation records) of a run, sorted by step."""
-  path = os.path.join(run_dir, "metrics.jsonl")
+  path = os.path.join(run_dir, runs.METRICS)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} does not exist (is {run_dir} a run directory?)")
   train, val = {}, {}
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError:
-        raise ValueError(f"{path}:{n} is not a JSON line") from None
-      if rec.get("loss") is not None:
-        train[rec["step"]] = rec
-      elif rec.get("val_loss") is not None:
-        val[rec["step"]] = rec
+  for rec in runs.read_records(run_dir, strict=True):
+    if rec.get("loss") is not None:
+      train[rec["step"]] = rec
+    elif rec.get("val_loss") is not None:
+      val[rec["step"]] = rec
   return [train[k] for k in sorted(train)], [val[k] for k in sorted(val)]
 
 

@@ -1,9 +1,24 @@
-"""A Llama-style decoder as pure functions over a stacked-block parameter tree."""
+"""A Llama-style decoder as pure functions over a stacked-block parameter tree.
 
-from jaxpipe.model._attention import blockwise_attention
-from jaxpipe.model._llama import (Block, Model, build, cross_entropy, dtype_of, ffn_dim,
-                                  flops_per_token, num_params, rotary)
-from jaxpipe.model._moe import MoE, capacity
+Its config section (`ModelConfig`) is plain dataclasses and loads without
+JAX; the model itself (flax) loads on first use of a name below.
+"""
 
-__all__ = ["Block", "Model", "MoE", "blockwise_attention", "build", "capacity", "cross_entropy",
-           "dtype_of", "ffn_dim", "flops_per_token", "num_params", "rotary"]
+import importlib
+
+_LAZY = {
+    "blockwise_attention": "_attention",
+    "Block": "_llama", "Model": "_llama", "build": "_llama", "cross_entropy": "_llama",
+    "dtype_of": "_llama", "ffn_dim": "_llama", "flops_per_token": "_llama",
+    "num_params": "_llama", "rotary": "_llama",
+    "MoE": "_moe", "capacity": "_moe",
+    "ModelConfig": "_config", "MoEConfig": "_config",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(importlib.import_module(f"jaxpipe.model.{_LAZY[name]}"), name)
+  raise AttributeError(f"module 'jaxpipe.model' has no attribute {name!r}")

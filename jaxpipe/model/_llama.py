@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpipe.config import ModelConfig
+from jaxpipe.model._config import ModelConfig
 from jaxpipe.model import _attention, _moe
 
 Params = Any

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.config import ModelConfig
+from jaxpipe.model._config import ModelConfig
 
 
 def capacity(cfg: ModelConfig, seq_len: int) -> int:

@@ -1,0 +1,392 @@
+"""The pieces the training loop calls, one concern each.
+
+`trainer._train` reads top to bottom: build or resume, then per step a batch,
+the step, its record, an evaluation, a checkpoint, a stop if asked. What each
+of those does lives here:
+
+- `Metrics`: metrics.jsonl (process 0) and TensorBoard scalars.
+- `Profile`: a `jax.profiler` trace of a window of steps.
+- `Signals`: SIGTERM/SIGINT as a request to stop after the current step.
+- `NonFinitePolicy`: `run.nan_policy` (stop on, or skip, a non-finite update).
+- `Evaluation`: the validation batches and when to run them.
+- `CheckpointPolicy`: when to save, and never the same step twice.
+- `Report`: reads each step's metrics (one step behind the dispatch), times
+  it, records it, moves the progress bar, and keeps the run's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from jaxpipe import config as config_lib
+
+__all__ = ["Metrics", "Profile", "Signals", "NonFinitePolicy", "Evaluation",
+           "CheckpointPolicy", "Report", "say", "kill_at"]
+
+
+def say(msg: str) -> None:
+  """Prints a message on stderr, above the progress bar if one is showing."""
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  tqdm.write(msg, file=sys.stderr)
+  sys.stderr.flush()
+
+
+def kill_at(point: Optional[tuple[str, int]], moment: str, step: int) -> None:
+  """`run.debug_kill`: SIGKILL this process at the named moment (for tests of kills)."""
+  if point == (moment, step):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Metrics:
+  """metrics.jsonl (process 0 only) and TensorBoard scalars."""
+
+  def __init__(self, run_dir: str, start_step: int, lag: int, enabled: bool):
+    self.enabled = enabled
+    self.path = os.path.join(run_dir, "metrics.jsonl")
+    self.val_steps: set[int] = set()  # evaluations already on file
+    self._tb = None
+    if not enabled:
+      return
+    self._truncate(start_step, lag)
+    self._file = open(self.path, "a")
+    try:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
+    except ImportError:
+      self._tb = None
+
+  def _truncate(self, start_step: int, lag: int) -> None:
+    # A resumed run rewrites what came after its checkpoint: training records
+    # of batches it will report again, evaluations it will repeat; a run
+    # that starts over (at step 0) rewrites everything.
+    if not os.path.exists(self.path):
+      return
+    if start_step == 0:
+      os.remove(self.path)
+      return
+    keep = []
+    self.val_steps = set()
+    with open(self.path) as f:
+      for line in f:
+        try:
+          rec = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # a line cut short by a kill
+        if "val_loss" in rec and rec["step"] <= start_step:
+          keep.append(line)
+          self.val_steps.add(rec["step"])
+        elif "loss" in rec and rec["step"] < start_step - lag:
+          keep.append(line)
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(l if l.endswith("\n") else l + "\n" for l in keep)
+    os.replace(tmp, self.path)
+
+  def write(self, record: dict[str, Any]) -> None:
+    """Appends one record (a non-finite float becomes null) and its TensorBoard scalars."""
+    if not self.enabled:
+      return
+    # JSON has no NaN: a non-finite value is written as null.
+    record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+              for k, v in record.items()}
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)):
+          group = "val" if key.startswith("val") else "train"
+          self._tb.add_scalar(f"{group}/{key}", value, record["step"])
+
+  def close(self) -> None:
+    """Closes the file and the TensorBoard writer."""
+    if self.enabled:
+      self._file.close()
+      if self._tb is not None:
+        self._tb.close()
+
+
+class Profile:
+  """A `jax.profiler` trace of steps START..STOP-1 (`run.profile=START:STOP`) in run.dir/profile."""
+
+  def __init__(self, spec: str, run_dir: str, is_main: bool):
+    self.window = config_lib.profile_window(spec)
+    self.dir = os.path.join(run_dir, "profile")
+    self.is_main = is_main
+    self.active = False
+
+  def before(self, step: int) -> None:
+    """Starts the trace before step START is dispatched."""
+    if self.window and step == self.window[0] and not self.active:
+      jax.profiler.start_trace(self.dir)
+      self.active = True
+
+  def after(self, step: int) -> None:
+    """Stops the trace once step STOP-1 has finished."""
+    if self.active and step == self.window[1] - 1:
+      self.close()
+
+  def close(self) -> None:
+    """Stops a trace still running."""
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+      if self.is_main:
+        say(f"wrote a profile of steps {self.window[0]}-{self.window[1] - 1} to {self.dir} "
+            "(open it with TensorBoard's profile plugin, xprof or Perfetto)")
+
+
+class Signals:
+  """SIGTERM and SIGINT ask the loop to stop after the current step; a second one stops now.
+
+  A context manager: the handlers are installed on entry (where this is the
+  main thread; elsewhere signals are left alone) and restored on exit.
+  """
+
+  def __init__(self):
+    self.received: list[int] = []
+    self._handlers: dict[int, Any] = {}
+
+  def _on_signal(self, signum, frame):
+    del frame
+    if self.received:  # a second signal: stop now
+      raise KeyboardInterrupt
+    self.received.append(signum)
+
+  @property
+  def stop(self) -> Optional[int]:
+    """The first signal received, or None."""
+    return self.received[0] if self.received else None
+
+  def __enter__(self) -> "Signals":
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._handlers[sig] = signal.signal(sig, self._on_signal)
+      except ValueError:  # not the main thread
+        pass
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._handlers.items():
+      signal.signal(sig, handler)
+
+
+class NonFinitePolicy:
+  """`run.nan_policy`: what a non-finite loss or gradient does to the run.
+
+  'stop': step k+1 runs only if step k's update was finite. It is queued
+  before the host has read step k's metrics, and the state is donated, so
+  the device program itself keeps the last good state (`go`). 'skip': the
+  schedule already skips a non-finite update; the policy counts and says so.
+  """
+
+  def __init__(self, policy: str, schedule: Any):
+    self.halt = policy == "stop"
+    self.skip = policy == "skip"
+    self.go = jax.device_put(np.asarray(True), schedule.replicated()) if self.halt else None
+    self.num_stages, self.lag = schedule.num_stages, schedule.loss_lag
+    self.skipped = 0
+    self.stopped_at: Optional[tuple[int, int, str]] = None  # (step, batch, where)
+
+  def dispatched(self, met: dict[str, Any]) -> None:
+    """After queueing a step: the next one runs only if this one is finite."""
+    if self.halt:
+      self.go = met["finite"]
+
+  def observe(self, met: dict[str, Any]) -> bool:
+    """Whether step metrics `met` (on the host) are finite; counts a skip."""
+    finite = bool(met["finite"])
+    if not finite and self.skip:
+      self.skipped += 1
+    return finite
+
+  def proceed(self, k: int, met: dict[str, Any]) -> bool:
+    """After a non-finite step k: False to stop (then `stopped_at` says where)."""
+    where = where_nonfinite(met, self.num_stages)
+    if self.halt:
+      self.stopped_at = (k, k - self.lag, where)
+      return False
+    say(f"skipped the update of step {k}: non-finite loss or gradient of batch "
+        f"{k - self.lag} {where} ({self.skipped} skipped so far)")
+    return True
+
+
+def where_nonfinite(met: dict[str, Any], num_stages: int) -> str:
+  """Where a step's non-finite values were: which stages' blocks, the shared weights, or the loss."""
+  bad = [s for s in range(num_stages) if not bool(np.asarray(met["stage_finite"])[s])]
+  parts = []
+  if bad:
+    parts.append("in the blocks of stage " + ", ".join(map(str, bad)))
+  if not bool(met["shared_finite"]):
+    parts.append("in the embedding/head parameters (stage 0 / stage "
+                 f"{num_stages - 1})")
+  if not parts:
+    parts.append("in the loss")
+  return " and ".join(parts)
+
+
+class Evaluation:
+  """The validation batches (global arrays), their mean loss, and when it is due."""
+
+  def __init__(self, schedule: Any, batches: list[tuple[Any, Any]], every: int, steps: int):
+    self.schedule, self.batches, self.every, self.steps = schedule, batches, every, steps
+
+  def __call__(self, state) -> Optional[float]:
+    """Mean validation loss at the state's newest weights; None without batches."""
+    if not self.batches:
+      return None
+    return float(np.mean([float(self.schedule.eval_loss(state, *b)) for b in self.batches]))
+
+  def due(self, done: int) -> bool:
+    """Whether to evaluate after `done` updates (the end of the run has its own)."""
+    return bool(self.every) and done % self.every == 0 and done < self.steps
+
+
+class CheckpointPolicy:
+  """When the loop saves: every `every` updates before the last, on a stop, at the end.
+
+  `save(done, ...)` writes a checkpoint unless one of step `done` is already
+  on disk from this run (`saved_at`), so a stop right after a periodic save,
+  or the end of a run resumed at its last step, writes nothing twice.
+  """
+
+  def __init__(self, ckpt: Any, every: int, steps: int, saved_at: Optional[int],
+               payload: Callable[[int], tuple], kill: Optional[tuple[str, int]] = None):
+    self.ckpt, self.every, self.steps = ckpt, every, steps
+    self.saved_at, self.payload, self.kill = saved_at, payload, kill
+
+  def due(self, done: int) -> bool:
+    """Whether a periodic checkpoint falls after `done` updates."""
+    return bool(self.every) and done % self.every == 0 and done < self.steps
+
+  def save(self, done: int, *, wait: bool = False, crash_point: bool = True) -> None:
+    """Saves step `done` (`payload(done)` gives tree, data state, meta) unless already saved.
+
+    `wait` blocks until it is on disk; `crash_point` lets `run.debug_kill=save:N`
+    kill the process right after (the periodic and final saves).
+    """
+    if self.saved_at != done:
+      self.ckpt.save(done, *self.payload(done))
+      self.saved_at = done
+      if crash_point:
+        kill_at(self.kill, "save", done)
+    if wait:
+      self.ckpt.wait()
+
+
+class Report:
+  """Each step's record: timing, metrics.jsonl, the progress bar and the run's summary.
+
+  The loop hands over step k's metrics while step k+1 runs (`settle`): the
+  host reads them only then, so reading never stalls the device queue.
+  """
+
+  def __init__(self, cfg: Any, lr_schedule: Callable[[int], Any], start: int, lag: int,
+               is_main: bool, policy: NonFinitePolicy,
+               kill: Optional[tuple[str, int]] = None):
+    self.cfg, self.lr_schedule, self.start, self.policy, self.kill = (
+        cfg, lr_schedule, start, policy, kill)
+    self.log = Metrics(cfg.run.dir, start, lag, is_main)
+    self.profile = Profile(cfg.run.profile, cfg.run.dir, is_main)
+    self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
+    from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+    # Useful model FLOPs per step, spread over every device of the mesh.
+    self.flops_per_device = (model_lib.flops_per_token(cfg.model, cfg.data.seq_len)
+                             * self.tokens_per_step / (cfg.pipeline.stages * cfg.mesh.data))
+    self.peak = trainer.peak_tflops(cfg)
+    self.summary: dict[str, Any] = {"exit_code": 0, "skipped": 0, "start_step": start,
+                                    "is_main": is_main, "first_val_loss": None}
+    self.step_times: dict[int, float] = {}
+    self.steady = [0, 0.0]  # steps after the first, and their seconds
+    self.ready: Optional[float] = None
+    self.t_run = time.time()
+    self.bar = None
+    if is_main and cfg.run.progress:
+      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+      self.bar = tqdm(total=cfg.run.steps, initial=start, unit="step", dynamic_ncols=True,
+                      file=sys.stderr, desc=f"{cfg.pipeline.schedule}")
+
+  def speed(self, seconds: Optional[float]) -> dict[str, float]:
+    """Tokens per second, TFLOP/s per device and (with a known peak) MFU of a step's time."""
+    if not seconds:
+      return {}
+    out = {"tokens_per_s": self.tokens_per_step / seconds,
+           "tflops_per_device": self.flops_per_device / seconds / 1e12}
+    if self.peak:
+      out["mfu"] = out["tflops_per_device"] / self.peak
+    return out
+
+  def validation(self, step: int, loss: Optional[float]) -> None:
+    """Writes an evaluation record (once per step)."""
+    if step not in self.log.val_steps:
+      self.log.write({"step": step, "val_loss": loss})
+      self.log.val_steps.add(step)
+
+  def record(self, k: int, loss: float, extra: dict[str, Any]) -> None:
+    """Writes batch k's training record."""
+    # The rate comes out of float32 arithmetic: print its 7 significant digits.
+    seconds = self.step_times.pop(k, None)
+    rec = {"step": k, "loss": loss, "lr": float(f"{float(self.lr_schedule(k)):.7g}"),
+           "tokens": (k + 1) * self.tokens_per_step, "step_time_s": seconds,
+           **self.speed(seconds)}
+    rec.update(extra)
+    self.log.write(rec)
+    self.summary["train_loss"] = loss
+    self.summary["train_loss_step"] = k
+    kill_at(self.kill, "record", k)
+
+  def settle(self, k: int, met_dev: Any, dispatched: float) -> bool:
+    """Reads step k's metrics (waiting for it) and records them; False: stop (non-finite)."""
+    met = jax.device_get(met_dev)
+    now = time.time()
+    # A step's time is the interval between two steps' completions, so time
+    # the host spends between steps (and a stalled device) is counted.
+    self.step_times[k] = now - (self.ready if self.ready is not None else dispatched)
+    self.ready = now
+    if k > self.start:  # the first step of a process includes compilation
+      self.steady[0] += 1
+      self.steady[1] += self.step_times[k]
+    j = int(met["loss_step"])
+    finite = self.policy.observe(met)
+    self.summary["skipped"] = self.policy.skipped
+    if j >= 0:
+      self.record(j, float(met["loss"]), {"grad_norm": float(met["grad_norm"]),
+                                          "skipped": self.policy.skipped})
+    if not finite and not self.policy.proceed(k, met):
+      return False
+    if self.bar is not None:
+      if j >= 0 and ((k + 1) % self.cfg.run.log_every == 0 or k + 1 == self.cfg.run.steps):
+        fast = self.speed(self.step_times.get(k))
+        self.bar.set_postfix(loss=f"{float(met['loss']):.4f}",
+                             tok_s=f"{fast.get('tokens_per_s', 0):.0f}",
+                             **({"mfu": f"{fast['mfu']:.1%}"} if "mfu" in fast else {}))
+      self.bar.update(1)
+    self.profile.after(k)
+    return True
+
+  def finish(self, state: Any, run: Any) -> dict[str, Any]:
+    """The summary: timing, throughput after compilation, the final state."""
+    s = self.summary
+    s.update({"steps": self.cfg.run.steps, "elapsed_s": time.time() - self.t_run,
+              "tokens_per_s": (self.steady[0] * self.tokens_per_step / self.steady[1]
+                               if self.steady[1] else 0.0),
+              "state": state, "run": run})
+    if self.peak and self.steady[1]:
+      s["mfu"] = self.speed(self.steady[1] / self.steady[0])["mfu"]
+    return s
+
+  def close(self) -> None:
+    """Stops the profile, the bar and the files."""
+    self.profile.close()
+    if self.bar is not None:
+      self.bar.close()
+    self.log.close()

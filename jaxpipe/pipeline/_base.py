@@ -1,0 +1,537 @@
+"""The schedules' common base: mesh, typed states, their shardings, the guarded update.
+
+`Schedule` (see `_schedules` for the five schedules) owns a mesh, the
+model's `StageFns` and an optax optimizer; its state is one of the typed
+pytrees here, whose fields' kinds (`KINDS`) give both the shardings `jax.jit`
+places them with and the specs `shard_map` splits them by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpipe.pipeline import _vocab
+from jaxpipe.pipeline._engine import DATA, STAGE, StageFns
+from jaxpipe.pipeline._timetable import min_microbatches
+
+Tree = Any
+
+__all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight",
+           "make_mesh", "split_params", "merge_params"]
+
+
+def make_mesh(num_stages: int, num_data: int, devices=None) -> Mesh:
+  """A ('stage', 'data') mesh of the first S*D devices, with Auto axes."""
+  devices = list(jax.devices() if devices is None else devices)
+  need = num_stages * num_data
+  if need > len(devices):
+    raise ValueError(f"the mesh needs stages x data = {num_stages} x {num_data} = {need} "
+                     f"devices, but only {len(devices)} are available")
+  grid = np.array(devices[:need], dtype=object).reshape(num_stages, num_data)
+  return Mesh(grid, (STAGE, DATA), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def split_params(params: Tree) -> tuple[Tree, Tree]:
+  """(blocks, shared): params['blocks'] and a dict of every other entry."""
+  return params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
+
+
+def merge_params(blocks: Tree, shared: Tree) -> Tree:
+  """Inverse of `split_params`."""
+  return {**shared, "blocks": blocks}
+
+
+# --- typed states --------------------------------------------------------------
+#
+# Field kinds: 'step' a replicated counter; 'params' a parameter tree (natural
+# layout, padded vocabulary); 'versions' a parameter tree with a leading
+# version axis; 'opt' optimizer state following the parameters; 'device'
+# per-device buffers with leading [stage, data] axes; 'batch' a [M, B, t]
+# token batch; 'inflight' a nested `InFlight`.
+
+
+class SyncState(NamedTuple):
+  """State of none, gpipe and 1f1b.
+
+  Attributes:
+    step: updates done.
+    params: the weights.
+    opt_state: the optimizer's state.
+  """
+  step: jax.Array
+  params: Tree
+  opt_state: Tree
+
+  KINDS = {"step": "step", "params": "params", "opt_state": "opt"}
+
+
+class PipeDreamState(NamedTuple):
+  """State of pipedream.
+
+  Attributes:
+    step: updates done (k).
+    versions: [S, ...] the last S weight versions, v[j] at index j % S.
+    opt_state: the optimizer's state.
+  """
+  step: jax.Array
+  versions: Tree
+  opt_state: Tree
+
+  KINDS = {"step": "step", "versions": "versions", "opt_state": "opt"}
+
+
+class InFlight(NamedTuple):
+  """What a 2bw pipeline holds between step k-1 and step k (per device: [S, D, ...]).
+
+  Attributes:
+    fwd_buf, bwd_buf: the activation and cotangent in transit between stages.
+    stash: the stash ring (stage inputs or residuals of microbatches whose
+      backward has not run).
+    acc: (blocks, shared) batch k-1's gradient accumulated so far.
+    loss: batch k-1's loss sum so far.
+    tokens, targets: batch k-1, whose last microbatches still run in step k.
+  """
+  fwd_buf: jax.Array
+  bwd_buf: jax.Array
+  stash: Tree
+  acc: Tree
+  loss: jax.Array
+  tokens: jax.Array
+  targets: jax.Array
+
+  KINDS = {"fwd_buf": "device", "bwd_buf": "device", "stash": "device", "acc": "device",
+           "loss": "device", "tokens": "batch", "targets": "batch"}
+
+
+class TwoBWState(NamedTuple):
+  """State of 2bw at the start of step k.
+
+  Attributes:
+    step: k.
+    prev: v[k-1], the version batch k-1's last microbatches still run on
+      (v[0] at k = 0).
+    cur: v[k], the version batch k runs on.
+    opt_state: the optimizer's state.
+    inflight: the pipeline's in-flight state (`InFlight`).
+  """
+  step: jax.Array
+  prev: Tree
+  cur: Tree
+  opt_state: Tree
+  inflight: InFlight
+
+  KINDS = {"step": "step", "prev": "params", "cur": "params", "opt_state": "opt",
+           "inflight": "inflight"}
+
+
+def _pick(tree: Tree, index) -> Tree:
+  return jax.tree.map(lambda v: v[index], tree)
+
+
+def _local(tree: Tree) -> Tree:
+  return jax.tree.map(lambda x: x[0, 0], tree)
+
+
+def _per_device(tree: Tree) -> Tree:
+  return jax.tree.map(lambda x: x[None, None], tree)
+
+
+def _all_finite(tree: Tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """A parameter's spec and rank, one leaf for `optax.tree_map_params`."""
+  spec: P
+  ndim: int
+
+
+def _data_split(shape: tuple, spec: P, num_stages: int, num_data: int) -> P:
+  """`spec` with 'data' added on the first axis of `shape` that can take it (see
+  `Schedule.opt_param_specs`); `spec` itself where none can."""
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  stacked = max(len(shape) - 2, 0)
+  for a in [*range(stacked), *range(stacked, len(shape))]:
+    if entries[a] is None and shape[a] % num_data == 0:
+      entries[a] = DATA
+      return P(*entries)
+    if entries[a] == STAGE and shape[a] % (num_stages * num_data) == 0:
+      entries[a] = (STAGE, DATA)
+      return P(*entries)
+  return spec
+
+
+def _acc_dtype(x) -> jnp.dtype:
+  # Gradients are summed over microbatches in float32, whatever the weights'.
+  return jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+
+
+class Schedule:
+  """Base class: shardings, the optimizer step with its NaN guard, and jitting."""
+
+  name = "base"
+  loss_lag = 0
+  pipelined = True
+
+  def __init__(self, fns: StageFns, optimizer: optax.GradientTransformation, mesh: Mesh,
+               num_microbatches: int, *, stash: str = "inputs", shard_optimizer: bool = True,
+               predict: Optional[Any] = None):
+    self.fns, self.opt, self.mesh = fns, optimizer, mesh
+    self.shard_optimizer = shard_optimizer
+    self.predict = predict
+    if predict is not None and self.pipelined:
+      raise ValueError(f"schedule '{self.name}' cannot take gradients at predicted weights; "
+                       "only schedule none can (the one-device simulation)")
+    self.num_stages = mesh.shape[STAGE]
+    self.num_data = mesh.shape[DATA]
+    self.num_microbatches = num_microbatches
+    self.stash = stash
+    if not self.pipelined and self.num_stages != 1:
+      raise ValueError(f"schedule '{self.name}' runs without stages; got a mesh of "
+                       f"{self.num_stages} stages")
+    need = min_microbatches(self.name, self.num_stages) if self.pipelined else 1
+    if num_microbatches < need:
+      raise ValueError(f"schedule {self.name} with {self.num_stages} stages needs at least "
+                       f"{need} microbatches per step, got {num_microbatches}")
+    # The vocabulary as the state holds it: padded to a multiple of S.
+    self.vocab = (_vocab.padded_vocab(fns.vocab_size, self.num_stages) if self.pipelined
+                  else fns.vocab_size)
+    self._jit_step = None
+    self._jit_eval = None
+
+  # --- shardings, from the kinds of the state's fields -------------------------
+
+  def _named(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  def replicated(self) -> NamedSharding:
+    """A sharding that keeps a full copy on every device of the mesh."""
+    return self._named(P())
+
+  def batch_sharding(self) -> NamedSharding:
+    """Sharding of a [M, B/M, seq] token batch: rows split over 'data'."""
+    return self._named(P(None, DATA))
+
+  def param_specs(self, params: Tree, lead: tuple = ()) -> Tree:
+    """PartitionSpecs of a parameter tree (behind `lead` extra leading axes).
+
+    Blocks are split over 'stage' on their layer axis, shared leaves on their
+    vocabulary axis; the rest is replicated. Without a pipeline, replicated.
+    """
+    blocks, shared = split_params(params)
+    if not self.pipelined:
+      return jax.tree.map(lambda _: P(), params)
+    vocab = lambda a: P(*lead, *([None] * a), STAGE) if a is not None else P()
+    return merge_params(jax.tree.map(lambda _: P(*lead, STAGE), blocks),
+                        jax.tree.map(vocab, self.fns.vocab_axes, is_leaf=lambda a: a is None))
+
+  def _check_shared(self, shared: Tree) -> None:
+    axes = jax.tree.structure(self.fns.vocab_axes, is_leaf=lambda a: a is None)
+    if jax.tree.structure(shared) != axes:
+      raise ValueError("StageFns.vocab_axes must have the structure of the non-block "
+                       f"parameters: {jax.tree.structure(shared)} vs {axes}")
+
+  def param_shardings(self, params: Tree, lead: tuple = ()) -> Tree:
+    """Shardings of a parameter tree (see `param_specs`)."""
+    return jax.tree.map(self._named, self.param_specs(params, lead))
+
+  def opt_param_specs(self, params: Tree) -> Tree:
+    """PartitionSpecs of the optimizer's parameter-shaped state (ZeRO-1 over 'data').
+
+    Each leaf keeps its parameter's spec and, with `shard_optimizer` on a
+    mesh of D > 1 replicas, is also split D ways over 'data': each replica
+    then updates its slice and the new weights are gathered. The axis is the
+    first, in this order, whose size allows it: the stacking axes of a leaf
+    with three or more (layers, experts; so that Muon orthogonalises whole
+    matrices, each on one replica), then the others. An axis already split
+    over 'stage' takes ('stage', 'data') when S x D divides it. A leaf with
+    no such axis stays replicated over 'data'.
+    """
+    specs = self.param_specs(params)
+    if not self.shard_optimizer or self.num_data == 1:
+      return specs
+    return jax.tree.map(lambda x, spec: _data_split(x.shape, spec, self.num_stages,
+                                                    self.num_data),
+                        params, specs)
+
+  def opt_shardings(self, params: Tree, opt_state: Tree) -> Tree:
+    """Shardings of the optimizer state: each parameter-shaped copy as `opt_param_specs` says."""
+    specs = jax.tree.map(lambda x, spec: _Spec(spec, len(x.shape)), params,
+                         self.opt_param_specs(params))
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+
+    def place(x, spec):
+      # Partitioned optimizers hold MaskedNode placeholders where a group
+      # does not apply; they stay placeholders. Buffers with extra leading
+      # axes (the delay's slots) keep their parameter's layout behind them.
+      if masked(x):
+        return x
+      lead = len(x.shape) - spec.ndim
+      return self._named(P(*([None] * lead), *spec.spec) if lead else spec.spec)
+
+    return optax.tree_map_params(self.opt, place, opt_state, specs,
+                                 transform_non_params=lambda _: self.replicated(),
+                                 is_leaf=masked)
+
+  def _field_specs(self, state: NamedTuple, params: Tree) -> NamedTuple:
+    """PartitionSpecs of every field of a typed state (opt: None, see `state_shardings`)."""
+    out = {}
+    for name, kind in type(state).KINDS.items():
+      value = getattr(state, name)
+      if kind == "step":
+        out[name] = P()
+      elif kind == "params":
+        out[name] = self.param_specs(value)
+      elif kind == "versions":
+        out[name] = self.param_specs(value, lead=(None,))
+      elif kind == "opt":
+        out[name] = None
+      elif kind == "device":
+        out[name] = jax.tree.map(lambda _: P(STAGE, DATA), value)
+      elif kind == "batch":
+        out[name] = P(None, DATA)
+      elif kind == "inflight":
+        out[name] = self._field_specs(value, params)
+      else:
+        raise ValueError(f"{type(state).__name__}.{name}: unknown field kind {kind!r}")
+    return type(state)(**out)
+
+  def state_shardings(self, state: NamedTuple) -> NamedTuple:
+    """Shardings of every field of a state (arrays or `jax.eval_shape` structs)."""
+    params = self._params_of(state)
+
+    def shard(state, specs):
+      out = {}
+      for name, kind in type(state).KINDS.items():
+        if kind == "opt":
+          out[name] = self.opt_shardings(params, getattr(state, name))
+        elif kind == "inflight":
+          out[name] = shard(getattr(state, name), getattr(specs, name))
+        else:
+          out[name] = jax.tree.map(self._named, getattr(specs, name),
+                                   is_leaf=lambda x: isinstance(x, P))
+      return type(state)(**out)
+
+    return shard(state, self._field_specs(state, params))
+
+  # --- optimizer ---------------------------------------------------------------
+
+  def _update(self, params, opt_state, grads, allowed):
+    """Applies the optimizer when `allowed` and every gradient is finite."""
+    finite = _all_finite(grads)
+    if self.shard_optimizer and self.num_data > 1:
+      # Pinned at both ends, so that XLA computes the update on each
+      # replica's slice (the gradient is already whole on every replica) and
+      # gathers only the finished update, rather than updating whole copies.
+      sliced = jax.tree.map(self._named, self.opt_param_specs(params))
+      pin = lambda t: lax.with_sharding_constraint(t, sliced)
+    else:
+      pin = lambda t: t
+
+    def apply(_):
+      updates, new_state = self.opt.update(pin(grads), opt_state, params)
+      return optax.apply_updates(params, pin(updates)), new_state
+
+    params, opt_state = lax.cond(allowed & finite, apply, lambda _: (params, opt_state), None)
+    return params, opt_state, finite
+
+  def _grad_metrics(self, grads, loss, loss_step, finite):
+    blocks, shared = split_params(grads)
+    layer_ok = jnp.stack([jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+                          for x in jax.tree.leaves(blocks)]).all(axis=0)  # [L]
+    stage_ok = layer_ok.reshape(self.num_stages, -1).all(axis=1)          # [S]
+    return {"loss": loss, "loss_step": loss_step, "grad_norm": optax.tree.norm(grads),
+            "finite": finite & jnp.isfinite(loss), "stage_finite": stage_ok,
+            "shared_finite": _all_finite(shared)}
+
+  # --- vocabulary padding --------------------------------------------------------
+
+  def pad(self, params: Tree) -> Tree:
+    """Natural parameters with the vocabulary padded as the state holds it (NumPy stays NumPy)."""
+    return self._pad(params)
+
+  def _pad(self, params: Tree) -> Tree:
+    blocks, shared = split_params(params)
+    self._check_shared(shared)
+    return merge_params(blocks, _vocab.pad_vocab(shared, self.fns.vocab_axes, self.vocab))
+
+  def _unpad(self, params: Tree) -> Tree:
+    blocks, shared = split_params(params)
+    return merge_params(blocks, _vocab.unpad_vocab(shared, self.fns.vocab_axes,
+                                                   self.fns.vocab_size))
+
+  # --- interface ---------------------------------------------------------------
+
+  def init(self, params: Tree, batch_shape: tuple[int, int, int],
+           token_dtype=jnp.int32) -> NamedTuple:
+    """Places `params` (natural shapes) on the mesh and builds the initial training state.
+
+    One jitted function makes the whole state directly in its shardings.
+
+    Args:
+      params: the model's parameters ('blocks' stacked on a leading axis).
+      batch_shape: (M, B/M, seq) of the global batches `step` will receive.
+      token_dtype: dtype of the token batches.
+    """
+    fn = functools.partial(self._init_fn, batch_shape=tuple(batch_shape),
+                           token_dtype=token_dtype)
+    abstract = jax.eval_shape(fn, params)
+    return jax.jit(fn, out_shardings=self.state_shardings(abstract))(params)
+
+  def init_sharded(self, init: Any, rng: jax.Array, batch_shape: tuple[int, int, int],
+                   token_dtype=jnp.int32) -> NamedTuple:
+    """The initial state with parameters `init(rng)` made directly in their shardings.
+
+    Drawing the parameters, padding the vocabulary and building the state
+    are one jitted function with the state's output shardings, so XLA
+    partitions the random draws too (jax_threefry_partitionable, on by
+    default, makes each shard's numbers independent of the sharding): no
+    device ever holds more than its share, and the values equal
+    `init(params=init(rng))`'s.
+    """
+    return self.init_program(init, rng, batch_shape, token_dtype)(rng)
+
+  def init_program(self, init: Any, rng: jax.Array, batch_shape: tuple[int, int, int],
+                   token_dtype=jnp.int32):
+    """The jitted rng -> initial state function `init_sharded` runs (for inspection)."""
+    fn = lambda r: self._init_fn(init(r), batch_shape=tuple(batch_shape),
+                                 token_dtype=token_dtype)
+    return jax.jit(fn, out_shardings=self.state_shardings(jax.eval_shape(fn, rng)))
+
+  def _init_fn(self, params, *, batch_shape, token_dtype):
+    del batch_shape, token_dtype
+    params = self._pad(params)
+    return SyncState(jnp.zeros((), jnp.int32), params, self.opt.init(params))
+
+  def _params_of(self, state) -> Tree:
+    """A parameter-shaped field of the state (for the optimizer state's structure)."""
+    return state.params
+
+  def newest(self, state) -> Tree:
+    """The newest weights as the state holds them (vocabulary padded)."""
+    return state.params
+
+  def params(self, state) -> Tree:
+    """The newest weights (those the next batch runs on), natural shapes."""
+    return jax.jit(self._unpad)(self.newest(state))
+
+  def _step_fn(self, state, tokens, targets):
+    raise NotImplementedError
+
+  def _eval_fn(self, params, tokens, targets):
+    raise NotImplementedError
+
+  def _guarded_step(self, state, tokens, targets, go):
+    """The step when `go`, else nothing: the state comes back as it went in.
+
+    Lets a caller queue step k+1 before it has read step k's metrics and
+    still stop on what they say (`go` = step k's `finite`): the state is
+    donated, so the last good state must survive inside the device program.
+    """
+    metrics = jax.eval_shape(self._step_fn, state, tokens, targets)[1]
+    idle = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metrics)
+    new_state, metrics = lax.cond(go, lambda: self._step_fn(state, tokens, targets),
+                                  lambda: (state, idle))
+    return new_state, {**metrics, "ran": go}
+
+  def _plain_step(self, state, tokens, targets):
+    new_state, metrics = self._step_fn(state, tokens, targets)
+    return new_state, {**metrics, "ran": jnp.asarray(True)}
+
+  def _jitted_step(self, state, guarded: bool):
+    if self._jit_step is None:
+      self._jit_step = {}
+    if guarded not in self._jit_step:
+      shardings = self.state_shardings(state)
+      # Metrics replicated everywhere, so every process can read them.
+      fn = self._guarded_step if guarded else self._plain_step
+      self._jit_step[guarded] = jax.jit(fn, donate_argnums=(0,),
+                                        out_shardings=(shardings, self.replicated()))
+    return self._jit_step[guarded]
+
+  def step(self, state, tokens: jax.Array, targets: jax.Array, go: Optional[jax.Array] = None):
+    """One training step on a [M, B/M, seq] batch; returns (state, metrics).
+
+    With `go` (a boolean scalar, possibly still being computed on the
+    devices) the step runs only when it is true; otherwise it returns its
+    state unchanged, with `metrics['ran']` false. The guard is a separate
+    program (it costs some memory where the state is rearranged, as 2bw's
+    is); without `go` there is none. Dispatch returns at once; reading the
+    metrics waits for the step.
+    """
+    if go is None:
+      return self._jitted_step(state, False)(state, tokens, targets)
+    return self._jitted_step(state, True)(state, tokens, targets, go)
+
+  def lower_step(self, state, tokens, targets, go: Optional[jax.Array] = None):
+    """The lowered (not yet compiled) step, for HLO inspection and compile timing."""
+    if go is None:
+      return self._jitted_step(state, False).lower(state, tokens, targets)
+    return self._jitted_step(state, True).lower(state, tokens, targets, go)
+
+  def _evaluate(self, params, tokens, targets):
+    """Mean loss of a batch at `params` (the state's layout), jitted once."""
+    if self._jit_eval is None:
+      self._jit_eval = jax.jit(self._eval_fn, out_shardings=self.replicated())
+    return self._jit_eval(params, tokens, targets)
+
+  def eval_loss(self, state, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean loss of a [M, B/M, seq] batch at the newest weights (no update)."""
+    return self._evaluate(self.newest(state), tokens, targets)
+
+  def pending_loss(self, state) -> Optional[jax.Array]:
+    """Loss of the batch whose report is still in flight (2bw), else None."""
+    return None
+
+  # --- resuming on another mesh ----------------------------------------------------
+  #
+  # A checkpoint's arrays keep their global shapes when only the data degree
+  # changes, and orbax reshards them on restore. What a stage count decides:
+  # the vocabulary padding (a multiple of S), pipedream's S weight versions
+  # and 2bw's per-device in-flight buffers, which `relayout` handles.
+
+  def check_relayout(self, saved_stages: int, saved_data: int) -> None:
+    """Raises ValueError if a state saved on a saved_stages x saved_data mesh cannot resume here."""
+    del saved_stages, saved_data
+
+  def restored_fields(self, state: NamedTuple) -> NamedTuple:
+    """A tree of bools shaped like `state`: the arrays a checkpoint of another mesh supplies.
+
+    The others are rebuilt by `relayout`.
+    """
+    return jax.tree.map(lambda _: True, state)
+
+  def relayout(self, restored: NamedTuple, fresh: NamedTuple) -> NamedTuple:
+    """This mesh's state from `restored`, read off a checkpoint of another mesh.
+
+    `fresh` is this mesh's initial state: it gives every array's shape and
+    sharding, and the arrays `restored_fields` leaves out. A vocabulary axis
+    padded for another stage count is cut back to the vocabulary and padded
+    again with zeros (padding rows hold zeros under every optimizer, see
+    `_vocab.pad_vocab`); every other array must already have its shape here.
+    """
+    def fit(x, like):
+      if x.shape == like.shape:
+        return x if x.sharding == like.sharding else jax.device_put(x, like.sharding)
+      axes = [a for a, (m, n) in enumerate(zip(x.shape, like.shape)) if m != n]
+      v = self.fns.vocab_size
+      if (x.ndim != like.ndim or len(axes) != 1
+          or min(x.shape[axes[0]], like.shape[axes[0]]) < v):
+        raise ValueError(f"an array of shape {x.shape} in the checkpoint has shape "
+                         f"{like.shape} on this mesh; only vocabulary padding may differ")
+      resize = functools.partial(_vocab._resize, axis=axes[0], size=like.shape[axes[0]])  # pylint: disable=protected-access
+      return jax.jit(lambda a: resize(lax.slice_in_dim(a, 0, v, axis=axes[0])),
+                     out_shardings=like.sharding)(x)
+
+    return jax.tree.map(fit, restored, fresh)

@@ -1,0 +1,106 @@
+"""The training loop's pieces (jaxpipe/_loop.py) on their own, without training."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from jaxpipe import _loop
+
+
+class _FakeCheckpointer:
+  def __init__(self):
+    self.saved, self.waits = [], 0
+
+  def save(self, step, tree, data_state, meta):
+    self.saved.append((step, tree, data_state, meta))
+
+  def wait(self):
+    self.waits += 1
+
+
+def test_checkpoint_policy_saves_on_schedule_and_never_twice():
+  ckpt = _FakeCheckpointer()
+  state = {"v": 0}
+  saves = _loop.CheckpointPolicy(ckpt, every=3, steps=9, saved_at=None,
+                                 payload=lambda k: (dict(state), "data", {"step": k}))
+  assert [k for k in range(1, 10) if saves.due(k)] == [3, 6]   # not 9: the end saves itself
+  state["v"] = 1
+  saves.save(3)
+  saves.save(3, wait=True)            # a stop right after the periodic save: nothing new
+  assert [s[0] for s in ckpt.saved] == [3] and ckpt.waits == 1
+  assert ckpt.saved[0][1] == {"v": 1} and ckpt.saved[0][3] == {"step": 3}
+  saves.save(9)
+  assert [s[0] for s in ckpt.saved] == [3, 9]
+  # A run resumed at its last checkpoint does not write it again.
+  again = _loop.CheckpointPolicy(ckpt, every=0, steps=9, saved_at=9, payload=lambda k: ())
+  again.save(9)
+  assert len(ckpt.saved) == 2 and not any(again.due(k) for k in range(1, 10))
+
+
+def test_signals_ask_to_stop_then_stop_now():
+  before = signal.getsignal(signal.SIGTERM)
+  with _loop.Signals() as signals:
+    assert signals.stop is None
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert signals.stop == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _FakeSchedule:
+  num_stages, loss_lag = 2, 1
+
+  def replicated(self):
+    import jax  # pylint: disable=g-import-not-at-top
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _met(finite, stages=(True, True), shared=True):
+  return {"finite": np.asarray(finite), "stage_finite": np.asarray(stages),
+          "shared_finite": np.asarray(shared)}
+
+
+def test_nonfinite_policy_stop_and_skip():
+  stop = _loop.NonFinitePolicy("stop", _FakeSchedule())
+  assert bool(stop.go)
+  stop.dispatched({"finite": np.asarray(False)})
+  assert not bool(stop.go)                    # the next step is queued to do nothing
+  assert stop.observe(_met(True))
+  assert not stop.observe(_met(False, stages=(True, False)))
+  assert not stop.proceed(4, _met(False, stages=(True, False)))
+  assert stop.stopped_at == (4, 3, "in the blocks of stage 1") and stop.skipped == 0
+  skip = _loop.NonFinitePolicy("skip", _FakeSchedule())
+  assert skip.go is None
+  assert not skip.observe(_met(False, shared=False)) and skip.skipped == 1
+  assert skip.proceed(5, _met(False, shared=False)) and skip.stopped_at is None
+  assert _loop.where_nonfinite(_met(False), 2) == "in the loss"
+  assert "embedding/head" in _loop.where_nonfinite(_met(False, shared=False), 2)
+
+
+def test_evaluation_is_due_every_n_but_not_at_the_end():
+  ev = _loop.Evaluation(None, [], every=4, steps=12)
+  assert [k for k in range(1, 13) if ev.due(k)] == [4, 8]
+  assert ev(None) is None                     # no validation batches: no loss
+  assert not any(_loop.Evaluation(None, [], 0, 12).due(k) for k in range(1, 13))
+
+
+def test_metrics_of_a_resumed_run_drop_what_it_will_redo(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  recs = [{"step": k, "loss": 1.0} for k in range(6)] + [
+      {"step": 0, "val_loss": 2.0}, {"step": 4, "val_loss": 1.5}, {"step": 6, "val_loss": 1.4}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 7, "lo')
+  log = _loop.Metrics(str(tmp_path), start_step=4, lag=1, enabled=True)
+  log.write({"step": 3, "loss": float("nan")})
+  log.close()
+  kept = [json.loads(l) for l in path.read_text().splitlines()]
+  # Batches 0-2 stay (batch 3 is reported again after step 4 with lag 1),
+  # evaluations up to step 4 stay, the cut line goes; NaN is written as null.
+  assert [r["step"] for r in kept if "loss" in r] == [0, 1, 2, 3]
+  assert kept[-1] == {"step": 3, "loss": None}
+  assert [r["step"] for r in kept if "val_loss" in r] == [0, 4] and log.val_steps == {0, 4}
+  _loop.Metrics(str(tmp_path), start_step=0, lag=0, enabled=True).close()
+  assert path.read_text() == ""               # a run that starts over rewrites everything
