@@ -23,6 +23,10 @@ TINY = ("--config", _runs.TINY, "--steps", "2", "--optimizers", "adamw", "--jobs
 sys.path.insert(0, os.path.join(_runs.ROOT, "tools"))
 import delay_study  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxpipe import study as study_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxpipe.study import _report  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 
 def tool(*args: str, cache: str, timeout: float = 240) -> subprocess.CompletedProcess:
   """Runs the tool to completion."""
@@ -130,7 +134,7 @@ def test_resume_keeps_finished_runs_and_continues_the_others(study, cache):
     history = json.load(f)["meta"]["invocations"]
   assert [h["finished"] for h in history] == [True, True]
   assert [h["runs"]["done"] for h in history] == [3, 3]
-  assert delay_study.read_history(os.path.join(study, "results.json")) == history
+  assert study_lib.read_history(os.path.join(study, "results.json")) == history
 
 
 def test_a_directory_of_another_config_is_refused(study, cache):
@@ -153,7 +157,7 @@ def test_lr_sweep_writes_its_json_and_the_study_reads_it(tmp_path, cache):
   rates = {float(lr): v for lr, v in losses.items()}
   assert sweep["best"]["adamw"] == min(rates, key=rates.get)
   for lr, v in rates.items():
-    run_dir = os.path.join(out, "lr_sweep", f"adamw-lr{delay_study.fmt_lr(lr)}-s0")
+    run_dir = os.path.join(out, "lr_sweep", f"adamw-lr{study_lib.fmt_lr(lr)}-s0")
     assert _final_val(run_dir) == v
   args = argparse.Namespace(lr="from-sweep", sweep_json="")
   assert delay_study.resolve_lrs(args, ["adamw"], out)["adamw"] == sweep["best"]["adamw"]
@@ -190,48 +194,48 @@ def test_an_invocation_killed_part_way_stays_on_record(tmp_path):
   path = str(tmp_path / "results.json")
   args = argparse.Namespace(jobs=2, threads=1)
   # Journalled at its start and after its first run; then killed, so never finished.
-  delay_study.journal_update(path, args, 100.0, {}, finished=False)
-  delay_study.journal_update(path, args, 100.0, {"a": "done"}, finished=False)
+  study_lib.journal_update(path, args, 100.0, {}, finished=False)
+  study_lib.journal_update(path, args, 100.0, {"a": "done"}, finished=False)
   # The next invocation resumes and finishes.
-  history = delay_study.journal_update(path, args, 200.0, {"a": "done", "b": "done"},
+  history = study_lib.journal_update(path, args, 200.0, {"a": "done", "b": "done"},
                                        finished=True)
   assert [h["t0"] for h in history] == [100.0, 200.0]
   assert [h["finished"] for h in history] == [False, True]
   assert [h["runs"]["done"] for h in history] == [1, 2]
-  assert delay_study.read_history(path) == history
+  assert study_lib.read_history(path) == history
   meta = {"invocations": history, "elapsed_total_s": sum(h["elapsed_s"] for h in history)}
-  lines = delay_study._how_it_ran(meta, [{"wall_s": 1.0}])
+  lines = _report._how_it_ran(meta, [{"wall_s": 1.0}])
   assert "over 2 invocation(s), 1 of them stopped before the end" in lines[1]
   # A result file written before journals existed still gives its own list.
   old = tmp_path / "old" / "results.json"
   old.parent.mkdir()
   old.write_text(json.dumps({"meta": {"invocations": [{"command": "x", "elapsed_s": 1.0}]}}))
-  assert delay_study.read_history(str(old)) == [{"command": "x", "elapsed_s": 1.0}]
+  assert study_lib.read_history(str(old)) == [{"command": "x", "elapsed_s": 1.0}]
 
 
 def test_recovered_share():
-  assert delay_study.recovered_share(1.0, 1.2, 1.05) == pytest.approx(0.75)
-  assert delay_study.recovered_share(1.0, 0.99, 0.98) is None      # no gap, no share
-  assert delay_study.recovered_share(1.0, math.nan, 1.0) is None
-  assert delay_study.sweep_grid(3e-3, 3, 3.0) == [1e-3, 3e-3, 9e-3]
+  assert study_lib.recovered_share(1.0, 1.2, 1.05) == pytest.approx(0.75)
+  assert study_lib.recovered_share(1.0, 0.99, 0.98) is None      # no gap, no share
+  assert study_lib.recovered_share(1.0, math.nan, 1.0) is None
+  assert study_lib.sweep_grid(3e-3, 3, 3.0) == [1e-3, 3e-3, 9e-3]
 
 
 def test_a_directory_the_tool_did_not_make_is_left_alone(tmp_path):
   run_dir = tmp_path / "adamw-sync-s0"
   run_dir.mkdir()
   (run_dir / "metrics.jsonl").write_text('{"step": 0, "val_loss": 5.0}\n')
-  cell = delay_study.Cell("adamw-sync-s0", str(run_dir), "adamw", "sync", 0, 3e-3, 2, ())
-  with pytest.raises(delay_study.StudyError, match="not made by this tool"):
-    delay_study.cell_state(cell, _runs.TINY)
+  cell = study_lib.Cell("adamw-sync-s0", str(run_dir), "adamw", "sync", 0, 3e-3, 2, ())
+  with pytest.raises(study_lib.StudyError, match="not made by this tool"):
+    study_lib.cell_state(cell, _runs.TINY)
   assert (run_dir / "metrics.jsonl").exists()
 
 
 def test_weight_prediction_setting_is_enumerated_summarised_and_tabled(tmp_path):
   """delay-wp, from fixture metrics: its cell sets the trainer key, its gap and
   recovered share are computed like the correction's, and the table grows its columns."""
-  plan = delay_study.Plan(_runs.TINY, delay_study.config_lib.load(_runs.TINY, []), (),
+  plan = study_lib.Plan(_runs.TINY, config_lib.load(_runs.TINY, []), (),
                           str(tmp_path))
-  cells = delay_study.study_cells(plan, ["adamw"], list(delay_study.SETTINGS), [0],
+  cells = study_lib.study_cells(plan, ["adamw"], list(study_lib.SETTINGS), [0],
                                   {"adamw": 1e-3}, 4, 2)
   wp = next(c for c in cells if c.setting == "delay-wp")
   assert "optimizer.weight_prediction=1.0" in wp.overrides
@@ -243,18 +247,18 @@ def test_weight_prediction_setting_is_enumerated_summarised_and_tabled(tmp_path)
     with open(os.path.join(c.run_dir, "metrics.jsonl"), "w") as f:
       for step, val in ((0, 5.0), (2, finals[c.setting] + 0.5), (4, finals[c.setting])):
         f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
-  row = delay_study.summarize(cells, ["adamw"], [0], 1000, 100)["optimizers"]["adamw"]
+  row = study_lib.summarize(cells, ["adamw"], [0], 1000, 100)["optimizers"]["adamw"]
   assert row["predicted_gap"] == pytest.approx(0.3)
   assert row["recovered_wp"] == pytest.approx(0.25)
   assert row["recovered"] == pytest.approx(0.75)
   assert row["gap_curve"]["delay-wp"] == {0: 0.0, 2: pytest.approx(0.3), 4: pytest.approx(0.3)}
-  table = delay_study.markdown_table({"optimizers": {"adamw": row}})
+  table = study_lib.markdown_table({"optimizers": {"adamw": row}})
   assert "recovered by WP" in table.splitlines()[0]
   assert "| 2.3000 | +0.3000 | 25% |" in table
   # Without delay-wp runs the table keeps its old columns.
   cells3 = [c for c in cells if c is not wp]
-  row3 = delay_study.summarize(cells3, ["adamw"], [0], 1000, 100)["optimizers"]["adamw"]
-  assert "WP" not in delay_study.markdown_table({"optimizers": {"adamw": row3}})
+  row3 = study_lib.summarize(cells3, ["adamw"], [0], 1000, 100)["optimizers"]["adamw"]
+  assert "WP" not in study_lib.markdown_table({"optimizers": {"adamw": row3}})
 
 
 def test_size_report_orders_sizes_and_tables_the_gaps(tmp_path):

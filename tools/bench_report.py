@@ -1,0 +1,202 @@
+"""The benchmark's report: its tables, the speed-up targets it checks, the sweep plot, the machine.
+
+`tools/bench_pipeline.py` measures; this formats what it measured.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any, Optional
+
+from jaxpipe.pipeline import SCHEDULE_NAMES as SCHEDULES
+
+def two_core_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: speed-up of each schedule on two cores over one device on one core."""
+  out = ["| vocabulary | schedule | one device s/step | two cores s/step | speed-up (median) "
+         "| quartiles | min-max | bubble bound | share of 2.0x | target | load (1 min) |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+  for r in rows:
+    name = r["schedule"]
+    label = {"ceiling": "ceiling (2 data replicas, no pipeline)",
+             "hardware": "hardware (2 one-device processes at once)"}.get(name, name)
+    if r["target"] is None:
+      target = "-"
+    else:
+      status = "PASS" if r["speedup"] >= r["target"] else "MISS"
+      target = f">= {r['target']:.1f}x {status}"
+    out.append(f"| {r['vocab']} | {label} | {r['ref_s']:.3f} | {r['step_s']:.3f} | "
+               f"{r['speedup']:.2f}x | {r['q1']:.2f}-{r['q3']:.2f} | {r['low']:.2f}-{r['high']:.2f} "
+               f"| {r['bound']:.2f}x | {r['speedup'] / 2:.0%} | {target} | "
+               f"{r['load_before'].split('/')[0]}-{r['load_after'].split('/')[0]} |")
+  return "\n".join(out)
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2 ** 20:.2f}"
+
+
+def _frac(x: Optional[float]) -> str:
+  return "n/a" if x is None else f"{x:.1%}"
+
+
+def step_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: wall and CPU step time, ratios, bubble, ticks and cores busy per schedule."""
+  two = {r["schedule"]: r for r in rows}.get("2bw", {})
+  out = ["| schedule | step cost (F+B ticks) | bubble (timetable) | wall s/step (median) | min-max "
+         "| 2bw / this (wall) | CPU s/step (median) | 2bw / this (CPU) | cores busy "
+         "| compile s (CPU s) |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    if "skipped" in r:
+      out.append(f"| {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} | "
+                 f"{r['skipped']} | | | | | | |")
+      continue
+    wall = f"{two['step_s'] / r['step_s']:.2f}" if "step_s" in two else "-"
+    cpu = f"{two['cpu_s'] / r['cpu_s']:.2f}" if "cpu_s" in two else "-"
+    out.append(f"| {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} | {r['step_s']:.3f} | "
+               f"{r['step_min_s']:.3f}-{r['step_max_s']:.3f} | {wall} | {r['cpu_s']:.3f} | {cpu} | "
+               f"{r['cores']:.2f} | {r['compile_s']:.1f} ({r['compile_cpu_s']:.1f}) |")
+  return "\n".join(out)
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: XLA's memory analysis of each compiled step, MiB per device."""
+  out = ["| schedule | arguments | outputs | aliased (donated) | temporaries | resident "
+         "(arg + out - alias + temp) |",
+         "|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    if "memory" not in r:
+      continue
+    m = r["memory"]
+    out.append(f"| {r['schedule']} | {_mib(m['argument'])} | {_mib(m['output'])} | "
+               f"{_mib(m['alias'])} | {_mib(m['temp'])} | {_mib(m['resident'])} |")
+  return "\n".join(out)
+
+
+def compile_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: 2bw lowering and compile time against M."""
+  first = rows[0]
+  out = ["| M | lower (s) | compile wall (s) | compile CPU (s) | wall / first | CPU / first "
+         "| temporaries (MiB) |",
+         "|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    out.append(f"| {r['microbatches']} | {r['lower_s']:.2f} | {r['compile_s']:.1f} | "
+               f"{r['compile_cpu_s']:.1f} | {r['compile_s'] / first['compile_s']:.2f} | "
+               f"{r['compile_cpu_s'] / first['compile_cpu_s']:.2f} | {_mib(r['memory']['temp'])} |")
+  return "\n".join(out)
+
+
+def target_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: one line per target, judged on wall-clock and on CPU time."""
+  out = ["| target | limit | tick-count prediction | wall-clock | result (wall) | CPU time "
+         "| result (CPU) |", "|---|---:|---:|---:|---|---:|---|"]
+  for t in rows:
+    pred = "-" if t["predicted"] is None else f"{t['predicted']:.2f}"
+    out.append(f"| {t['target']} | <= {t['limit']} | {pred} | {t['wall']:.2f} | {t['status']} "
+               f"({t['wall'] / t['limit'] - 1:+.0%}) | {t['cpu']:.2f} | {t['cpu_status']} "
+               f"({t['cpu'] / t['limit'] - 1:+.0%}) |")
+  return "\n".join(out)
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown: one line per (S, M, schedule) of the sweep."""
+  out = ["| S | M | schedule | ticks | bubble (timetable) | wall s/step | CPU s/step "
+         "| 2bw / this (wall) | 2bw / this (CPU) | this / none (CPU) |",
+         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for (s_, m), group in _groups(rows):
+    by = {r["schedule"]: r for r in group if "step_s" in r}
+    for r in group:
+      head = f"| {s_} | {m} | {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} |"
+      if "step_s" not in r:
+        out.append(f"{head} {r.get('skipped', '-')} | | | | |")
+        continue
+      ratio = lambda a, b, k: f"{a[k] / b[k]:.2f}" if a and b else "-"
+      two, none = by.get("2bw"), by.get("none")
+      out.append(f"{head} {r['step_s']:.3f} | {r['cpu_s']:.3f} | {ratio(two, r, 'step_s')} | "
+                 f"{ratio(two, r, 'cpu_s')} | {ratio(r, none, 'cpu_s')} |")
+  return "\n".join(out)
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[tuple[int, int], list[dict[str, Any]]]]:
+  keys = []
+  for r in rows:
+    k = (r["stages"], r["microbatches"])
+    if k not in keys:
+      keys.append(k)
+  return [(k, [r for r in rows if (r["stages"], r["microbatches"]) == k]) for k in keys]
+
+
+COLORS = {"none": "#7f7f7f", "gpipe": "#4c72b0", "1f1b": "#dd8452", "2bw": "#55a868",
+          "pipedream": "#c44e52"}
+# Schedules with equal curves (1f1b and pipedream bubbles; none and 2bw at 0)
+# stay visible: wide translucent lines under narrow dotted ones.
+STYLES = {"none": dict(marker="o", linestyle="--", linewidth=1.2),
+          "gpipe": dict(marker="s", linestyle="-", linewidth=1.6),
+          "1f1b": dict(marker="D", linestyle="-", linewidth=4.0, alpha=0.55),
+          "2bw": dict(marker="^", linestyle="-", linewidth=4.0, alpha=0.7),
+          "pipedream": dict(marker="x", linestyle=":", linewidth=1.6)}
+
+
+def draw_sweep(rows: list[dict[str, Any]], out: str, title: str) -> str:
+  """PNG: per S, wall and CPU step time and bubble against M, a line per schedule."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  stages = sorted({r["stages"] for r in rows})
+  ms = sorted({r["microbatches"] for r in rows})
+  fig, axes = plt.subplots(len(stages), 3, figsize=(15, 3.8 * len(stages)), squeeze=False)
+  for i, s_ in enumerate(stages):
+    for name in SCHEDULES:
+      pts = [r for r in rows if r["stages"] == s_ and r["schedule"] == name]
+      timed = [r for r in pts if "step_s" in r]
+      style = dict(color=COLORS[name], label=name, **STYLES[name])
+      x = [r["microbatches"] for r in timed]
+      if timed:
+        axes[i, 0].errorbar(x, [r["step_s"] for r in timed], capsize=2,
+                            yerr=[[r["step_s"] - r["step_min_s"] for r in timed],
+                                  [r["step_max_s"] - r["step_s"] for r in timed]], **style)
+        axes[i, 1].plot(x, [r["cpu_s"] for r in timed], **style)
+      valid = [r for r in pts if r["bubble"] is not None]
+      axes[i, 2].plot([r["microbatches"] for r in valid], [100 * r["bubble"] for r in valid],
+                      **style)
+    labels = ("wall-clock s per step (median, bars min-max)", "CPU s per step (median)",
+              "steady-state bubble (% of slots)")
+    for j, ylabel in enumerate(labels):
+      ax = axes[i, j]
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(ms)
+      ax.set_xticklabels([str(m) for m in ms])
+      ax.set_xlabel("microbatches per step M (global batch grows with M)")
+      ax.set_ylabel(ylabel, fontsize=9)
+      ax.set_title(f"S={s_} stages", fontsize=10)
+      ax.grid(alpha=0.3)
+    axes[i, 0].legend(fontsize=8)
+    axes[i, 2].legend(fontsize=8)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
+
+
+def machine(emulated: bool = True) -> str:
+  """One line on the host: CPU, cores, JAX version (and this process's emulated devices)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+    cpu = names[0] if names else cpu
+  except OSError:
+    pass
+  line = f"{cpu}; {os.cpu_count()} cores; jax {jax.__version__}"
+  if emulated:
+    line += f"; {jax.device_count()} emulated {jax.default_backend()} devices"
+  return line
+
+
+def load() -> str:
+  """`os.getloadavg()` as text (1, 5, 15 minutes)."""
+  return "/".join(f"{x:.2f}" for x in os.getloadavg())
