@@ -290,7 +290,7 @@ class Report:
   """
 
   def __init__(self, cfg: Any, lr_schedule: Callable[[int], Any], start: int, lag: int,
-               is_main: bool, policy: NonFinitePolicy,
+               is_main: bool, policy: NonFinitePolicy, peak: Optional[float] = None,
                kill: Optional[tuple[str, int]] = None):
     self.cfg, self.lr_schedule, self.start, self.policy, self.kill = (
         cfg, lr_schedule, start, policy, kill)
@@ -298,11 +298,10 @@ class Report:
     self.profile = Profile(cfg.run.profile, cfg.run.dir, is_main)
     self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
-    from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
     # Useful model FLOPs per step, spread over every device of the mesh.
     self.flops_per_device = (model_lib.flops_per_token(cfg.model, cfg.data.seq_len)
                              * self.tokens_per_step / (cfg.pipeline.stages * cfg.mesh.data))
-    self.peak = trainer.peak_tflops(cfg)
+    self.peak = peak  # the device's dense bf16 TFLOP/s, if known (for MFU)
     self.summary: dict[str, Any] = {"exit_code": 0, "skipped": 0, "start_step": start,
                                     "is_main": is_main, "first_val_loss": None}
     self.step_times: dict[int, float] = {}

@@ -398,7 +398,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   evaluate = _evaluation(run, begun)
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
   report = _loop.Report(cfg, run.lr_schedule, start, schedule.loss_lag,
-                        jax.process_index() == 0, policy, kill)
+                        jax.process_index() == 0, policy, peak_tflops(cfg), kill)
   saves = _loop.CheckpointPolicy(
       ckpt, cfg.checkpoint.every, steps, begun.latest, kill=kill,
       payload=lambda k: ((state, rng), it.get_state(), _meta(cfg, k)))
