@@ -228,9 +228,9 @@ def test_bench_two_core_times_pinned_processes():
   cores = sorted(os.sched_getaffinity(0))
   if len(cores) < 2:
     pytest.skip("the two-core measurement needs two cores")
-  bench = _load("bench_pipeline")
+  bench, two_core = _load("bench_pipeline"), _load("bench_two_core")
   shape = bench.ModelShape(dim=32, layers=2, heads=2, kv_heads=1, seq_len=16, micro_rows=2)
-  rows = bench.two_core(shape, [257], 2, pairs=3, warmup=1, cores=(str(cores[0]), str(cores[1])),
+  rows = two_core.two_core(shape, [257], 2, pairs=3, warmup=1, cores=(str(cores[0]), str(cores[1])),
                         schedules=("2bw",), settle_s=0, log=lambda _: None)
   assert [r["schedule"] for r in rows] == ["ceiling", "2bw", "hardware"]
   for r in rows:
@@ -241,7 +241,7 @@ def test_bench_two_core_times_pinned_processes():
   ratios = sorted(a / b for a, b in zip(two["ref"], two["times"]))
   assert two["speedup"] == pytest.approx(ratios[1])
   assert two["target"] == 1.8
-  table = bench.two_core_table(rows)
+  table = two_core.two_core_table(rows)
   assert re.search(r"^\| 257 \| 2bw \| .*\| >= 1\.8x (PASS|MISS) \|", table, re.M), table
   assert "ceiling (2 data replicas, no pipeline)" in table
   assert "hardware (2 one-device processes at once)" in table
