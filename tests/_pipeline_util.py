@@ -115,7 +115,7 @@ def batches(num_microbatches: int, vocab_size: int = CONFIG.vocab_size) -> tuple
 
 def optimizer(name: str, *, ef: float = 0.0, delay: int = 0, ef_outside: bool = False,
               clip: float = 0.0) -> optax.GradientTransformation:
-  """jaxpipe's AdamW, Muon or plain SGD, optionally `delay(error_feedback(opt, ef), delay)`.
+  """jaxpipe's AdamW, Muon, SOAP or plain SGD, optionally `delay(error_feedback(opt, ef), delay)`.
 
   That order is the project's: a 2BW pipeline calls its optimizer only once a
   delayed gradient exists, so the one-device equivalent of 2bw with the
@@ -128,6 +128,13 @@ def optimizer(name: str, *, ef: float = 0.0, delay: int = 0, ef_outside: bool = 
     opt = optim.adamw(ADAMW_LR, eps=ADAM_EPS)
   elif name == "muon":
     opt = optim.muon(MUON_LR, adam_learning_rate=ADAMW_LR, eps=ADAM_EPS)
+  elif name == "soap":
+    # Refreshing the eigenbases every 2 calls puts a QR refresh inside STEPS.
+    # Only sides of at most 16 are rotated (the k and v kernels' 16): a
+    # longer side's factor has rank below its size at 64 tokens a step, and
+    # the basis of its null space, which Adam's per-coordinate scaling then
+    # depends on, is whatever rounding makes it.
+    opt = optim.soap(ADAMW_LR, eps=ADAM_EPS, precondition_frequency=2, max_precond_dim=16)
   elif name == "sgd":
     opt = optim.sgd(SGD_LR, momentum=None)
   else:

@@ -99,6 +99,9 @@ TWO_BW_CASES = [
     ("muon", 0.0, (2, 2, 3)),
     ("muon", 1.0, (4, 2, 6)),
     ("adamw", 1.0, (2, 2, 2)),
+    # SOAP's stacked eigendecompositions on 2 devices (they once deadlocked
+    # jaxlib's CPU thread pool) and its eigenbases split over stages.
+    ("soap", 1.0, (2, 1, 2)),
 ]
 # The case whose compiled HLO test_2bw_step_collectives reads.
 HLO_CASE = ("adamw", 0.0, (4, 2, 6))

@@ -130,11 +130,30 @@ def _factors(g, l_factor, r_factor, beta):
   return l_factor, r_factor
 
 
+def _per_matrix(fn, x):
+  """`fn(x)` for a LAPACK decomposition `fn`, one matrix per call on the CPU.
+
+  jaxlib's CPU kernels spread a batch of matrices over XLA's intra-op thread
+  pool and block the calling pool thread until the batch is done. With
+  several emulated devices in one process, every pool thread can end up
+  blocked in such a wait with no thread left to do the work: 2bw with SOAP on
+  2 emulated devices and 2 cores never finished its first step. A call with
+  one matrix runs inline, so on the CPU the batch goes through `lax.map`; other
+  backends keep the batched call. The results are the same: the kernel
+  decomposes each matrix of a batch on its own.
+  """
+  if x.ndim == 2 or jax.default_backend() != "cpu":
+    return fn(x)
+  batch = x.shape[:-2]
+  out = jax.lax.map(fn, x.reshape(-1, *x.shape[-2:]))
+  return jax.tree.map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
+
+
 def _eigenbasis(factor):
   """Eigenvectors of a factor by decreasing eigenvalue (the first call's)."""
   if not _rotated(factor):
     return factor
-  _, vectors = jnp.linalg.eigh(factor)   # ascending eigenvalues
+  _, vectors = _per_matrix(jnp.linalg.eigh, factor)   # ascending eigenvalues
   return vectors[..., ::-1]
 
 
@@ -153,7 +172,7 @@ def _power_step(factor, q, nu, axis):
   fq = jnp.take_along_axis(fq, order[..., None, :], axis=-1)
   index = order[..., :, None] if axis == -2 else order[..., None, :]
   nu = jnp.take_along_axis(nu, index, axis=axis)
-  q, _ = jnp.linalg.qr(fq)
+  q, _ = _per_matrix(jnp.linalg.qr, fq)
   return q, nu
 
 
