@@ -2,13 +2,18 @@
 
 A checkpoint at step n (n optimizer steps done) holds three items:
   state: the schedule's state pytree (weights and their versions, optimizer
-         state, for 2bw everything in flight between steps) plus the run's
-         RNG key, each array restored into the sharding it had;
+         state, for 2bw everything in flight between steps), each array
+         restored into the sharding it had;
   data:  the input pipeline's iterator state (JSON);
   meta:  the resolved config and the step (JSON).
 orbax writes each checkpoint into a temporary directory and renames it when
 complete, so a process killed mid-save leaves the previous checkpoint intact
 and the next start ignores the partial one.
+
+Older checkpoints saved the pair (state, the run's RNG key); nothing used the
+key, so the state is now saved alone. Every reader here takes both: an old
+pair's key is read (orbax restores a sequence whole) and dropped, and its
+arrays are named as the state's own (`saved_pair`).
 
 A checkpoint written on one mesh can be read on another (`LAYOUT_KEYS`):
 `restore` reads it into the shardings of a state shaped like this run's;
@@ -49,7 +54,7 @@ LAYOUT_KEYS = frozenset({"mesh.data", "pipeline.stages"})
 
 
 def path_key(path) -> str:
-  """A pytree path as orbax names the array: '0.inflight.stash.1'."""
+  """A pytree path as orbax names the array: 'inflight.stash.1'."""
   parts = []
   for k in path:
     for attr in ("name", "key", "idx"):
@@ -59,6 +64,21 @@ def path_key(path) -> str:
     else:
       parts.append(str(k))
   return ".".join(parts)
+
+
+def saved_pair(tree: Any) -> bool:
+  """Whether a saved state tree (orbax metadata) is the older (state, RNG key) pair."""
+  return (isinstance(tree, (list, tuple)) and len(tree) == 2 and isinstance(tree[0], Mapping)
+          and hasattr(tree[1], "shape"))
+
+
+def _replicated_like(leaves: Any) -> jax.sharding.Sharding:
+  """A replicated sharding on the mesh of the first sharded leaf (for an old pair's key)."""
+  for x in jax.tree.leaves(leaves):
+    mesh = getattr(x.sharding, "mesh", None)
+    if mesh is not None:
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -154,6 +174,11 @@ class Checkpointer:
     path = os.path.join(self.directory, str(step))
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+    saved = self._saved_tree(step)
+    pair = saved_pair(saved)
+    if pair:
+      abstract = (abstract, jax.ShapeDtypeStruct(saved[1].shape, saved[1].dtype,
+                                                 sharding=_replicated_like(abstract)))
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
@@ -162,19 +187,26 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {path} does not fit this run or is damaged "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                             "resume with the config it was written with") from None
-    return out["state"], dict(out["data"]), dict(out["meta"])
+    state = out["state"][0] if pair else out["state"]
+    return state, dict(out["data"]), dict(out["meta"])
 
-  def saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
-    """The global shape of every array of checkpoint `step`'s state, by `path_key`."""
+  def _saved_tree(self, step: int) -> Any:
+    """Checkpoint `step`'s saved state tree (orbax's metadata: shapes, no arrays)."""
     reader = self._reader()
     try:
-      tree = reader.item_metadata(step)["state"].tree
+      return reader.item_metadata(step)["state"].tree
     except Exception as e:
       raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} is "
                             f"unreadable ({type(e).__name__}); delete it to resume from an "
                             "earlier one") from None
     finally:
       reader.close()
+
+  def saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    """The global shape of every array of checkpoint `step`'s state, by `path_key`."""
+    tree = self._saved_tree(step)
+    if saved_pair(tree):
+      tree = tree[0]
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: hasattr(x, "shape"))[0]:
@@ -189,8 +221,13 @@ class Checkpointer:
     mesh, whose arrays the caller fits to this one.
     """
     path = os.path.join(self.directory, str(step))
-    reader = self._reader()
-    metadata = reader.item_metadata(step)["state"].tree
+    metadata = self._saved_tree(step)
+    pair = saved_pair(metadata)
+    if pair:  # the same arrays under the pair's first element, and its key whole
+      key = metadata[1]
+      abstract = {**{f"0.{k}": v for k, v in abstract.items()},
+                  "1": jax.ShapeDtypeStruct(key.shape, key.dtype,
+                                            sharding=_replicated_like(list(abstract.values())))}
 
     def has_arrays(node):
       return any(hasattr(x, "shape") for x in jax.tree.leaves(
@@ -222,6 +259,7 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {path}: none of the arrays asked for is in it")
     args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                                        dtype=x.dtype), item)
+    reader = self._reader()
     try:
       out = reader.restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
@@ -231,7 +269,7 @@ class Checkpointer:
                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     finally:
       reader.close()
-    flat = jax.tree_util.tree_flatten_with_path(out["state"])[0]
+    flat = jax.tree_util.tree_flatten_with_path(out["state"][0] if pair else out["state"])[0]
     return {path_key(p): x for p, x in flat}, dict(out["data"])
 
   def _reader(self) -> ocp.CheckpointManager:

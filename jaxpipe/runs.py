@@ -58,7 +58,7 @@ def losses(run_dir: str, key: str = "loss", *,
   return {r["step"]: r[key] for r in read_records(run_dir, strict=strict) if key in r}
 
 # Where each schedule's state keeps the newest weights (`Schedule.newest`):
-# a field of the state, the first element of the saved (state, rng) pair.
+# a field of the saved state.
 _NEWEST_FIELD = {"none": "params", "gpipe": "params", "1f1b": "params", "2bw": "cur",
                  "pipedream": "versions"}
 
@@ -189,13 +189,17 @@ def _flatten(tree: Any) -> dict[str, Any]:
   return checkpoint._flatten(tree)  # pylint: disable=protected-access
 
 
-def _saved_tree(ckpt_dir: str, step: int) -> tuple[list[Any], dict[str, Any]]:
-  """(the saved (state, rng) metadata, {dotted field name: array metadata}) of a checkpoint."""
+def _saved_tree(ckpt_dir: str, step: int) -> tuple[Any, dict[str, Any]]:
+  """(the saved state's metadata tree, {dotted field name: array metadata}) of a checkpoint.
+
+  The tree is the state, or an older checkpoint's (state, RNG key) pair.
+  """
+  from jaxpipe.checkpoint import saved_pair  # pylint: disable=g-import-not-at-top
   manager = _reader(ckpt_dir)
   try:
     tree = manager.item_metadata(step)["state"].tree
-    state = tree[0]  # the trainer saves the pair (state, rng)
-    if not isinstance(state, dict) or len(tree) != 2:
+    state = tree[0] if saved_pair(tree) else tree
+    if not isinstance(state, dict):
       raise TypeError(type(state).__name__)
   except Exception as e:  # orbax raises many types for a damaged checkpoint
     raise CheckpointError(f"checkpoint {ckpt_dir}/{step} is unreadable "
@@ -205,23 +209,28 @@ def _saved_tree(ckpt_dir: str, step: int) -> tuple[list[Any], dict[str, Any]]:
   return tree, _flatten(state)
 
 
-def _restore_fields(ckpt_dir: str, step: int, saved: list[Any], fields, device,
+def _restore_fields(ckpt_dir: str, step: int, saved: Any, fields, device,
                     dtypes: dict[str, Any]) -> dict[str, Any]:
   """Restores the named fields of a checkpoint's state onto `device` (a partial restore).
 
   A field in `dtypes` is read in that dtype, the others as saved; the
-  optimizer state and everything in flight stay on disk. The pair's second
-  element, the run's key, comes along (a sequence is restored whole).
+  optimizer state and everything in flight stay on disk. An older pair's
+  second element, the run's key, comes along (orbax restores a sequence whole).
   """
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  from jaxpipe.checkpoint import saved_pair  # pylint: disable=g-import-not-at-top
   is_array = lambda x: hasattr(x, "shape")
-  state_md, rng_md = saved
-  item = [{f: state_md[f] for f in fields}, rng_md]
+  pair = saved_pair(saved)
+  state_md = saved[0] if pair else saved
   as_args = lambda tree, dtype=None: jax.tree.map(lambda m: ocp.ArrayRestoreArgs(
       sharding=device, global_shape=tuple(m.shape), dtype=dtype or m.dtype), tree,
       is_leaf=is_array)
-  args = [{f: as_args(state_md[f], dtypes.get(f)) for f in fields}, as_args(rng_md)]
+  item = {f: state_md[f] for f in fields}
+  args = {f: as_args(state_md[f], dtypes.get(f)) for f in fields}
+  if pair:
+    item, args = [item, saved[1]], [args, as_args(saved[1])]
   manager = _reader(ckpt_dir)
   try:
     out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
@@ -232,4 +241,4 @@ def _restore_fields(ckpt_dir: str, step: int, saved: list[Any], fields, device,
                           "--step") from None
   finally:
     manager.close()
-  return out["state"][0]
+  return out["state"][0] if pair else out["state"]

@@ -251,17 +251,17 @@ def _saved_layout(run: Run, ckpt: Checkpointer, step: int,
   return s_old, d_old
 
 
-def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], state, rng):
-  """Checkpoint `step` as (state, rng, data state), on this run's mesh whatever it was saved on."""
+def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], state):
+  """Checkpoint `step` as (state, data state), on this run's mesh whatever it was saved on."""
   cfg, schedule = run.cfg, run.schedule
   s_old, d_old = _saved_layout(run, ckpt, step, saved)
   if (s_old, d_old) == (cfg.pipeline.stages, cfg.mesh.data):
-    (state, rng), data_state, _ = ckpt.restore(step, (state, rng))
-    return state, rng, data_state
+    state, data_state, _ = ckpt.restore(step, state)
+    return state, data_state
   shapes = ckpt.saved_shapes(step)
-  keep = (schedule.restored_fields(state), True)
+  keep = schedule.restored_fields(state)
   abstract = {}
-  for (path, x), wanted in zip(jax.tree_util.tree_flatten_with_path((state, rng))[0],
+  for (path, x), wanted in zip(jax.tree_util.tree_flatten_with_path(state)[0],
                                jax.tree.leaves(keep)):
     key = path_key(path)
     if not wanted:
@@ -275,16 +275,15 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
         shapes[key], x.dtype,
         sharding=x.sharding if shapes[key] == x.shape else schedule.replicated())
   arrays, data_state = ckpt.restore_arrays(step, abstract)
-  restored = jax.tree_util.tree_map_with_path(lambda p, x: arrays.get(path_key(p), x),
-                                              (state, rng))
+  restored = jax.tree_util.tree_map_with_path(lambda p, x: arrays.get(path_key(p), x), state)
   try:
-    new_state = schedule.relayout(restored[0], state)
+    new_state = schedule.relayout(restored, state)
   except ValueError as e:
     raise CheckpointError(f"cannot resume {ckpt.directory}/{step} on this mesh: {e}") from None
   if jax.process_index() == 0:
     _say(f"resharded the checkpoint from {s_old} stage(s) x {d_old} data to "
          f"{cfg.pipeline.stages} x {cfg.mesh.data}")
-  return new_state, restored[1], data_state
+  return new_state, data_state
 
 
 def _read_init_from(cfg: Config) -> Any:
@@ -308,11 +307,10 @@ def _initial_state(run: Run, params: Any, batch_shape):
 
 
 class _Begun(NamedTuple):
-  """Where the loop starts: the step, the state and key, the data iterator, the batch placer."""
+  """Where the loop starts: the step, the state, the data iterator, the batch placer."""
   start: int
   latest: Optional[int]
   state: Any
-  rng: Any
   it: Any
   to_global: Callable[[np.ndarray], jax.Array]
   shard: tuple[int, int]
@@ -349,9 +347,6 @@ def _begin(run: Run, ckpt: Checkpointer, require_resume: bool, init_params: Any)
       _say(f"initialised the weights from {cfg.model.init_from}")
   else:
     state = schedule.init_sharded(run.model.init, jax.random.key(cfg.run.seed), batch_shape)
-  # The run's RNG key, replicated over the mesh like the step counter.
-  rng = jax.make_array_from_process_local_data(
-      schedule.replicated(), np.asarray(jax.random.key_data(jax.random.key(cfg.run.seed))))
 
   sharding = schedule.batch_sharding()
   shard = _rows_of_process(sharding, batch_shape)
@@ -361,7 +356,7 @@ def _begin(run: Run, ckpt: Checkpointer, require_resume: bool, init_params: Any)
       shard_index=shard[0], shard_count=shard[1])
   start = 0
   if latest is not None:
-    state, rng, data_state = _restore(run, ckpt, latest, meta.get("config", {}), state, rng)
+    state, data_state = _restore(run, ckpt, latest, meta.get("config", {}), state)
     it.set_state(data_state)
     start = latest
     if is_main:
@@ -374,7 +369,7 @@ def _begin(run: Run, ckpt: Checkpointer, require_resume: bool, init_params: Any)
       f.write(f"# jaxpipe resolved config; commit {_git_commit()}\n")
       yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
   to_global = lambda x: jax.make_array_from_process_local_data(sharding, x, batch_shape)
-  return _Begun(start, latest, state, rng, it, to_global, shard)
+  return _Begun(start, latest, state, it, to_global, shard)
 
 
 def _evaluation(run: Run, begun: _Begun) -> _loop.Evaluation:
@@ -394,14 +389,14 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   cfg, schedule = run.cfg, run.schedule
   steps, kill = cfg.run.steps, config_lib.kill_point(cfg.run.debug_kill)
   begun = _begin(run, ckpt, require_resume, init_params)
-  start, state, rng, it = begun.start, begun.state, begun.rng, begun.it
+  start, state, it = begun.start, begun.state, begun.it
   evaluate = _evaluation(run, begun)
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
   report = _loop.Report(cfg, run.lr_schedule, start, schedule.loss_lag,
                         jax.process_index() == 0, policy, peak_tflops(cfg), kill)
   saves = _loop.CheckpointPolicy(
       ckpt, cfg.checkpoint.every, steps, begun.latest, kill=kill,
-      payload=lambda k: ((state, rng), it.get_state(), _meta(cfg, k)))
+      payload=lambda k: (state, it.get_state(), _meta(cfg, k)))
   if start == 0 and evaluate.batches:
     report.summary["first_val_loss"] = evaluate(state)
     report.validation(0, report.summary["first_val_loss"])

@@ -156,6 +156,10 @@ def test_resume_on_another_mesh_equals_the_uninterrupted_run(tmp_path, cache, na
   half = str(tmp_path / "half")
   shutil.copytree(str(tmp_path / "whole"), half)
   shutil.rmtree(os.path.join(half, "checkpoints", "6"))
+  if name.startswith("none"):
+    # This case resumes from the older checkpoint format, the pair (state,
+    # the run's key): the relayout reads the pair's arrays.
+    _to_older_pair(os.path.join(half, "checkpoints"), 3)
   resumed = _train(half, "run.steps=6", "checkpoint.every=3", *common, *after)
   assert resumed["start_step"] == 3
   a, b = _runs.train_losses(str(tmp_path / "whole")), _runs.train_losses(half)
@@ -214,3 +218,65 @@ def test_run_steps_below_the_checkpoint_is_refused(tmp_path, cache):
   p = _runs.run(run_dir, "run.steps=2", cache_dir=cache)
   assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
   assert "run.steps=2 is below the newest checkpoint's step (3)" in p.stderr
+
+
+# --- the older checkpoint format ------------------------------------------------------
+
+
+def _to_older_pair(ckpt_dir, step):
+  """Rewrites checkpoint `step` as the format before the unused RNG key was dropped.
+
+  That format saved the pair (state, the run's key) as the state item.
+  """
+  import jax
+  import orbax.checkpoint as ocp
+  manager = ocp.CheckpointManager(ckpt_dir, item_names=("state", "data", "meta"))
+  out = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore(),
+      meta=ocp.args.JsonRestore()))
+  key = np.asarray(jax.random.key_data(jax.random.key(0)))
+  shutil.rmtree(os.path.join(ckpt_dir, str(step)))
+  manager.reload()
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave((out["state"], key)), data=ocp.args.JsonSave(out["data"]),
+      meta=ocp.args.JsonSave(out["meta"])), force=True)
+  manager.wait_until_finished()
+  manager.close()
+
+
+def _saved_tree(ckpt_dir, step):
+  from jaxpipe.runs import _reader
+  manager = _reader(ckpt_dir)
+  try:
+    return manager.item_metadata(step)["state"].tree
+  finally:
+    manager.close()
+
+
+def test_a_checkpoint_with_the_older_rng_key_resumes_exactly(tmp_path, cache):
+  """The older (state, key) pair resumes bit for bit and gives the tools the same weights."""
+  import jax
+  from jaxpipe import runs
+  from jaxpipe.checkpoint import saved_pair
+  whole = str(tmp_path / "whole")
+  common = ["run.steps=6", "checkpoint.every=3", "optimizer.name=adamw"]
+  _train(whole, *common)
+  assert not saved_pair(_saved_tree(os.path.join(whole, "checkpoints"), 3))
+  older = str(tmp_path / "older")
+  shutil.copytree(whole, older)
+  shutil.rmtree(os.path.join(older, "checkpoints", "6"))
+  _to_older_pair(os.path.join(older, "checkpoints"), 3)
+  assert saved_pair(_saved_tree(os.path.join(older, "checkpoints"), 3))
+  # The weights a tool reads (export, generation) are those of the new format.
+  _, new_params, _ = runs.load_params(whole, 3)
+  _, old_params, _ = runs.load_params(older, 3)
+  for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(old_params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The same mesh: the run continues bit for bit, and its next checkpoint is the new format.
+  assert _train(older, *common)["start_step"] == 3
+  assert _runs.train_losses(older) == _runs.train_losses(whole)
+  assert _runs.val_losses(older) == _runs.val_losses(whole)
+  assert not saved_pair(_saved_tree(os.path.join(older, "checkpoints"), 6))
+  # On another mesh the pair is read by the relayout path: the case
+  # "none data 1 -> 2" of test_resume_on_another_mesh_equals_the_uninterrupted_run.
+
