@@ -22,7 +22,6 @@ deleted at the end unless --keep.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -39,6 +38,7 @@ except ImportError:  # run from a fresh clone without installing
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 
+from jaxpipe.cli._common import Parser  # pylint: disable=g-import-not-at-top
 from jaxpipe.data import TokenData, TokenWriter, open_tokens  # pylint: disable=g-import-not-at-top
 from jaxpipe.data import _format  # pylint: disable=g-import-not-at-top
 
@@ -120,16 +120,9 @@ def measure(path: str, repeat: int, evict: bool) -> list[tuple[str, list[float]]
   return rows
 
 
-class _Parser(argparse.ArgumentParser):
-  """Reports a usage error as one line, like the other tools."""
-
-  def error(self, message: str) -> None:
-    self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
   """Writes the dataset, times the ways of opening it, prints the table, cleans up."""
-  parser = _Parser(prog="bench_data_verify", description=__doc__.split("\n\n")[0])
+  parser = Parser(prog="bench_data_verify", description=__doc__.split("\n\n")[0])
   parser.add_argument("--gib", type=float, default=1.0,
                       help="size of the train split in GiB (default 1; 0.01 for a quick check)")
   parser.add_argument("--dir", default=None,

@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_report import (compile_table, draw_sweep, load, machine, memory_table, step_table,
                           sweep_table, target_table)
+from jaxpipe.cli._common import Parser
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
@@ -322,13 +323,6 @@ def targets(rows: list[dict[str, Any]], compile_rows: list[dict[str, Any]]
 
 
 
-class _Parser(argparse.ArgumentParser):
-  """Reports a usage error as one line, like every other bad input."""
-
-  def error(self, message: str) -> None:
-    self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
 def _int_list(text: str) -> list[int]:
   try:
     values = [int(x) for x in text.split(",") if x.strip()]
@@ -398,7 +392,7 @@ def _write(text: str, path: str, log) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
   """Runs the benchmark (or the sweep) and prints / writes the tables."""
-  parser = _Parser(prog="bench_pipeline", description=__doc__.split("\n\n")[0])
+  parser = Parser(prog="bench_pipeline", description=__doc__.split("\n\n")[0])
   parser.add_argument("--stages", type=int, default=4, help="S (default 4)")
   parser.add_argument("--microbatches", type=int, default=8, help="M (default 8)")
   parser.add_argument("--sweep", action="store_true",

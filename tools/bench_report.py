@@ -7,29 +7,35 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from jaxpipe.pipeline import SCHEDULE_NAMES as SCHEDULES
 
+def _table(columns: Sequence[str], align: str, lines: Sequence[str]) -> str:
+  """A markdown table: a header of `columns`, each aligned by `align` ('l' or 'r'), then `lines`."""
+  rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+  return "\n".join(["| " + " | ".join(columns) + " |", rule, *lines])
+
+
 def two_core_table(rows: list[dict[str, Any]]) -> str:
   """Markdown: speed-up of each schedule on two cores over one device on one core."""
-  out = ["| vocabulary | schedule | one device s/step | two cores s/step | speed-up (median) "
-         "| quartiles | min-max | bubble bound | share of 2.0x | target | load (1 min) |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+  labels = {"ceiling": "ceiling (2 data replicas, no pipeline)",
+            "hardware": "hardware (2 one-device processes at once)"}
+  lines = []
   for r in rows:
-    name = r["schedule"]
-    label = {"ceiling": "ceiling (2 data replicas, no pipeline)",
-             "hardware": "hardware (2 one-device processes at once)"}.get(name, name)
     if r["target"] is None:
       target = "-"
     else:
       status = "PASS" if r["speedup"] >= r["target"] else "MISS"
       target = f">= {r['target']:.1f}x {status}"
-    out.append(f"| {r['vocab']} | {label} | {r['ref_s']:.3f} | {r['step_s']:.3f} | "
-               f"{r['speedup']:.2f}x | {r['q1']:.2f}-{r['q3']:.2f} | {r['low']:.2f}-{r['high']:.2f} "
-               f"| {r['bound']:.2f}x | {r['speedup'] / 2:.0%} | {target} | "
-               f"{r['load_before'].split('/')[0]}-{r['load_after'].split('/')[0]} |")
-  return "\n".join(out)
+    lines.append(
+        f"| {r['vocab']} | {labels.get(r['schedule'], r['schedule'])} | {r['ref_s']:.3f} | "
+        f"{r['step_s']:.3f} | {r['speedup']:.2f}x | {r['q1']:.2f}-{r['q3']:.2f} | "
+        f"{r['low']:.2f}-{r['high']:.2f} | {r['bound']:.2f}x | {r['speedup'] / 2:.0%} | "
+        f"{target} | {r['load_before'].split('/')[0]}-{r['load_after'].split('/')[0]} |")
+  return _table(["vocabulary", "schedule", "one device s/step", "two cores s/step",
+                 "speed-up (median)", "quartiles", "min-max", "bubble bound", "share of 2.0x",
+                 "target", "load (1 min)"], "llrrrrrrrll", lines)
 
 
 def _mib(n: int) -> str:
@@ -43,79 +49,71 @@ def _frac(x: Optional[float]) -> str:
 def step_table(rows: list[dict[str, Any]]) -> str:
   """Markdown: wall and CPU step time, ratios, bubble, ticks and cores busy per schedule."""
   two = {r["schedule"]: r for r in rows}.get("2bw", {})
-  out = ["| schedule | step cost (F+B ticks) | bubble (timetable) | wall s/step (median) | min-max "
-         "| 2bw / this (wall) | CPU s/step (median) | 2bw / this (CPU) | cores busy "
-         "| compile s (CPU s) |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = []
   for r in rows:
+    head = f"| {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} |"
     if "skipped" in r:
-      out.append(f"| {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} | "
-                 f"{r['skipped']} | | | | | | |")
+      lines.append(f"{head} {r['skipped']} | | | | | | |")
       continue
     wall = f"{two['step_s'] / r['step_s']:.2f}" if "step_s" in two else "-"
     cpu = f"{two['cpu_s'] / r['cpu_s']:.2f}" if "cpu_s" in two else "-"
-    out.append(f"| {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} | {r['step_s']:.3f} | "
-               f"{r['step_min_s']:.3f}-{r['step_max_s']:.3f} | {wall} | {r['cpu_s']:.3f} | {cpu} | "
-               f"{r['cores']:.2f} | {r['compile_s']:.1f} ({r['compile_cpu_s']:.1f}) |")
-  return "\n".join(out)
+    lines.append(f"{head} {r['step_s']:.3f} | {r['step_min_s']:.3f}-{r['step_max_s']:.3f} | "
+                 f"{wall} | {r['cpu_s']:.3f} | {cpu} | {r['cores']:.2f} | "
+                 f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f}) |")
+  return _table(["schedule", "step cost (F+B ticks)", "bubble (timetable)",
+                 "wall s/step (median)", "min-max", "2bw / this (wall)", "CPU s/step (median)",
+                 "2bw / this (CPU)", "cores busy", "compile s (CPU s)"], "lrrrrrrrrr", lines)
 
 
 def memory_table(rows: list[dict[str, Any]]) -> str:
   """Markdown: XLA's memory analysis of each compiled step, MiB per device."""
-  out = ["| schedule | arguments | outputs | aliased (donated) | temporaries | resident "
-         "(arg + out - alias + temp) |",
-         "|---|---:|---:|---:|---:|---:|"]
-  for r in rows:
-    if "memory" not in r:
-      continue
-    m = r["memory"]
-    out.append(f"| {r['schedule']} | {_mib(m['argument'])} | {_mib(m['output'])} | "
-               f"{_mib(m['alias'])} | {_mib(m['temp'])} | {_mib(m['resident'])} |")
-  return "\n".join(out)
+  keys = ("argument", "output", "alias", "temp", "resident")
+  lines = ["| " + " | ".join([r["schedule"], *(_mib(r["memory"][k]) for k in keys)]) + " |"
+           for r in rows if "memory" in r]
+  return _table(["schedule", "arguments", "outputs", "aliased (donated)", "temporaries",
+                 "resident (arg + out - alias + temp)"], "lrrrrr", lines)
 
 
 def compile_table(rows: list[dict[str, Any]]) -> str:
   """Markdown: 2bw lowering and compile time against M."""
   first = rows[0]
-  out = ["| M | lower (s) | compile wall (s) | compile CPU (s) | wall / first | CPU / first "
-         "| temporaries (MiB) |",
-         "|---:|---:|---:|---:|---:|---:|---:|"]
-  for r in rows:
-    out.append(f"| {r['microbatches']} | {r['lower_s']:.2f} | {r['compile_s']:.1f} | "
-               f"{r['compile_cpu_s']:.1f} | {r['compile_s'] / first['compile_s']:.2f} | "
-               f"{r['compile_cpu_s'] / first['compile_cpu_s']:.2f} | {_mib(r['memory']['temp'])} |")
-  return "\n".join(out)
+  lines = [f"| {r['microbatches']} | {r['lower_s']:.2f} | {r['compile_s']:.1f} | "
+           f"{r['compile_cpu_s']:.1f} | {r['compile_s'] / first['compile_s']:.2f} | "
+           f"{r['compile_cpu_s'] / first['compile_cpu_s']:.2f} | {_mib(r['memory']['temp'])} |"
+           for r in rows]
+  return _table(["M", "lower (s)", "compile wall (s)", "compile CPU (s)", "wall / first",
+                 "CPU / first", "temporaries (MiB)"], "rrrrrrr", lines)
 
 
 def target_table(rows: list[dict[str, Any]]) -> str:
   """Markdown: one line per target, judged on wall-clock and on CPU time."""
-  out = ["| target | limit | tick-count prediction | wall-clock | result (wall) | CPU time "
-         "| result (CPU) |", "|---|---:|---:|---:|---|---:|---|"]
+  lines = []
   for t in rows:
     pred = "-" if t["predicted"] is None else f"{t['predicted']:.2f}"
-    out.append(f"| {t['target']} | <= {t['limit']} | {pred} | {t['wall']:.2f} | {t['status']} "
-               f"({t['wall'] / t['limit'] - 1:+.0%}) | {t['cpu']:.2f} | {t['cpu_status']} "
-               f"({t['cpu'] / t['limit'] - 1:+.0%}) |")
-  return "\n".join(out)
+    lines.append(f"| {t['target']} | <= {t['limit']} | {pred} | {t['wall']:.2f} | "
+                 f"{t['status']} ({t['wall'] / t['limit'] - 1:+.0%}) | {t['cpu']:.2f} | "
+                 f"{t['cpu_status']} ({t['cpu'] / t['limit'] - 1:+.0%}) |")
+  return _table(["target", "limit", "tick-count prediction", "wall-clock", "result (wall)",
+                 "CPU time", "result (CPU)"], "lrrrlrl", lines)
 
 
 def sweep_table(rows: list[dict[str, Any]]) -> str:
   """Markdown: one line per (S, M, schedule) of the sweep."""
-  out = ["| S | M | schedule | ticks | bubble (timetable) | wall s/step | CPU s/step "
-         "| 2bw / this (wall) | 2bw / this (CPU) | this / none (CPU) |",
-         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+  ratio = lambda a, b, k: f"{a[k] / b[k]:.2f}" if a and b else "-"
+  lines = []
   for (s_, m), group in _groups(rows):
     by = {r["schedule"]: r for r in group if "step_s" in r}
+    two, none = by.get("2bw"), by.get("none")
     for r in group:
       head = f"| {s_} | {m} | {r['schedule']} | {r['ticks']:g} | {_frac(r['bubble'])} |"
       if "step_s" not in r:
-        out.append(f"{head} {r.get('skipped', '-')} | | | | |")
+        lines.append(f"{head} {r.get('skipped', '-')} | | | | |")
         continue
-      ratio = lambda a, b, k: f"{a[k] / b[k]:.2f}" if a and b else "-"
-      two, none = by.get("2bw"), by.get("none")
-      out.append(f"{head} {r['step_s']:.3f} | {r['cpu_s']:.3f} | {ratio(two, r, 'step_s')} | "
-                 f"{ratio(two, r, 'cpu_s')} | {ratio(r, none, 'cpu_s')} |")
-  return "\n".join(out)
+      lines.append(f"{head} {r['step_s']:.3f} | {r['cpu_s']:.3f} | {ratio(two, r, 'step_s')} | "
+                   f"{ratio(two, r, 'cpu_s')} | {ratio(r, none, 'cpu_s')} |")
+  return _table(["S", "M", "schedule", "ticks", "bubble (timetable)", "wall s/step",
+                 "CPU s/step", "2bw / this (wall)", "2bw / this (CPU)", "this / none (CPU)"],
+                "rrlrrrrrrr", lines)
 
 
 def _groups(rows: list[dict[str, Any]]) -> list[tuple[tuple[int, int], list[dict[str, Any]]]]:

@@ -29,13 +29,13 @@ Bad input exits with status 2 and one line on stderr.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxpipe.cli._common import Parser  # noqa: E402
 from jaxpipe.pipeline import Timetable, facts, min_microbatches, timetable  # noqa: E402
 
 SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream")
@@ -250,16 +250,9 @@ def draw(schedules: Sequence[str], num_stages: int, num_microbatches: int, num_s
   return out
 
 
-class _Parser(argparse.ArgumentParser):
-  """Reports a usage error as one line, like every other bad input."""
-
-  def error(self, message: str) -> None:
-    self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
   """Prints each schedule's ASCII table and bubble fractions; draws the PNG if asked."""
-  parser = _Parser(prog="schedule_viz", description=__doc__.split("\n\n")[0])
+  parser = Parser(prog="schedule_viz", description=__doc__.split("\n\n")[0])
   parser.add_argument("--schedule", required=True,
                       help=f"{', '.join(SCHEDULES)}, all, or a comma-separated list")
   parser.add_argument("--stages", type=int, required=True, help="S, pipeline stages")

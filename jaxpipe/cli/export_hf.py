@@ -15,21 +15,14 @@ exits with status 2 and one line on stderr.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
 import tempfile
 import time
 
+from jaxpipe.cli._common import Parser, run_reported
 from jaxpipe.errors import InputError
-
-
-class _Parser(argparse.ArgumentParser):
-  """Reports a usage error as one line, like every other bad input."""
-
-  def error(self, message: str) -> None:
-    self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
 def _check_out(out: str, overwrite: bool) -> None:
@@ -81,7 +74,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, tokenizer: str | 
 
 def main(argv: list[str] | None = None) -> int:
   """Parses arguments, exports the checkpoint and prints a one-line summary."""
-  parser = _Parser(prog="export_hf", description=__doc__.split("\n\n")[0])
+  parser = Parser(prog="export_hf", description=__doc__.split("\n\n")[0])
   parser.add_argument("--run", required=True, help="the run.dir of a training run")
   parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
   parser.add_argument("--step", type=int, default=None,
@@ -93,19 +86,16 @@ def main(argv: list[str] | None = None) -> int:
                       help="replace an existing non-empty --out")
   args = parser.parse_args(argv)
   start = time.perf_counter()
-  try:
-    step, spec = export(args.run, args.out, step=args.step, tokenizer=args.tokenizer,
-                        overwrite=args.overwrite)
-  except InputError as e:
-    print(f"export_hf: {e}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print("export_hf: interrupted; nothing was written at --out", file=sys.stderr)
-    return 130
-  files = "" if spec == "none" else f", tokenizer {spec}"
-  print(f"export_hf: step {step} of {args.run} -> {args.out} (LlamaForCausalLM{files}) in "
-        f"{time.perf_counter() - start:.1f}s")
-  return 0
+
+  def summary(done: tuple[int, str]) -> str:
+    step, spec = done
+    files = "" if spec == "none" else f", tokenizer {spec}"
+    return (f"export_hf: step {step} of {args.run} -> {args.out} (LlamaForCausalLM{files}) "
+            f"in {time.perf_counter() - start:.1f}s")
+
+  return run_reported("export_hf", lambda: export(
+      args.run, args.out, step=args.step, tokenizer=args.tokenizer, overwrite=args.overwrite),
+      summary, interrupted="interrupted; nothing was written at --out")
 
 
 if __name__ == "__main__":

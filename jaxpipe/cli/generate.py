@@ -17,18 +17,12 @@ exits with status 2 and one line on stderr. See docs/generate.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-  """Reports a usage error as one line, like every other bad input."""
-
-  def error(self, message: str) -> None:
-    self.exit(2, f"{self.prog}: {message} (see --help)\n")
+from jaxpipe.cli._common import Parser
 
 
 def _load_run(run_dir: str, step):
@@ -59,7 +53,7 @@ def _load_hf(path: str):
 
 def main(argv: list[str] | None = None) -> int:
   """Parses arguments, loads the model, prints prompt and continuation; returns the exit status."""
-  parser = _Parser(prog="generate", description=__doc__.split("\n\n")[0])
+  parser = Parser(prog="generate", description=__doc__.split("\n\n")[0])
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--run", metavar="RUN_DIR", help="a run.dir that train.py wrote")
   source.add_argument("--hf", metavar="DIR",

@@ -31,16 +31,16 @@ A bad config exits with status 2 and one line on stderr.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from jaxpipe import config as config_lib
 from jaxpipe import launch
+from jaxpipe.cli._common import Parser
 from jaxpipe.errors import ConfigError, InputError
 
 SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
@@ -505,16 +505,9 @@ def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
   return out
 
 
-class _Parser(argparse.ArgumentParser):
-  """Reports a usage error as one line, like every other bad input."""
-
-  def error(self, message: str) -> None:
-    self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
   """Loads the config, emulates the mesh's devices, prints the plan."""
-  parser = _Parser(prog="planner", description=__doc__.split("\n\n")[0])
+  parser = Parser(prog="planner", description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
   parser.add_argument("--device-gib", type=float, default=80.0,
                       help="memory of one device in GiB (default 80)")

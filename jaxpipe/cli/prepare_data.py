@@ -19,26 +19,18 @@ status 2, one line on stderr and nothing written.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
+from jaxpipe.cli._common import Parser, run_reported
 from jaxpipe.data import prepare_files
 from jaxpipe.data._prepare import name_some
-from jaxpipe.errors import InputError
-
-
-class _Parser(argparse.ArgumentParser):
-  """Reports a usage error as one line, like every other bad input."""
-
-  def error(self, message: str) -> None:
-    self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
   """Parses arguments, builds the dataset and prints a one-line summary."""
-  parser = _Parser(prog="prepare_data", description=__doc__.split("\n\n")[0])
+  parser = Parser(prog="prepare_data", description=__doc__.split("\n\n")[0])
   parser.add_argument("inputs", nargs="+", metavar="FILES_OR_DIRS")
   parser.add_argument("--out", required=True, help="dataset directory to create")
   parser.add_argument("--tokenizer", default="gpt2",
@@ -56,26 +48,21 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--quiet", action="store_true", help="no progress line")
   args = parser.parse_args(argv)
   start = time.perf_counter()
-  try:
-    data = prepare_files(args.inputs, args.out, tokenizer=args.tokenizer,
-                         val_fraction=args.val_fraction, seq_len=args.seq_len,
-                         text_key=args.text_key, overwrite=args.overwrite,
-                         progress=not args.quiet)
-  except InputError as e:
-    print(f"prepare_data: {e}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print("prepare_data: interrupted; nothing was written", file=sys.stderr)
-    return 130
-  sizes = ", ".join(f"{data.num_tokens(s):,} {s}" for s in data.split_names)
-  skipped = data.meta.get("skipped_files", [])
-  # Named as the user can find them: relative to here when they lie below it.
-  names = [p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in skipped]
-  also = (f"; skipped {len(names)} file{'s' if len(names) != 1 else ''} of unknown type: "
-          f"{name_some(names)}" if names else "")
-  print(f"prepare_data: {sizes} tokens ({data.tokenizer}, vocab {data.vocab_size}) in "
-        f"{time.perf_counter() - start:.1f}s -> {data.path}{also}")
-  return 0
+
+  def summary(data) -> str:
+    sizes = ", ".join(f"{data.num_tokens(s):,} {s}" for s in data.split_names)
+    skipped = data.meta.get("skipped_files", [])
+    # Named as the user can find them: relative to here when they lie below it.
+    names = [p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in skipped]
+    also = (f"; skipped {len(names)} file{'s' if len(names) != 1 else ''} of unknown type: "
+            f"{name_some(names)}" if names else "")
+    return (f"prepare_data: {sizes} tokens ({data.tokenizer}, vocab {data.vocab_size}) in "
+            f"{time.perf_counter() - start:.1f}s -> {data.path}{also}")
+
+  return run_reported("prepare_data", lambda: prepare_files(
+      args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+      seq_len=args.seq_len, text_key=args.text_key, overwrite=args.overwrite,
+      progress=not args.quiet), summary, interrupted="interrupted; nothing was written")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ AdamW on the other leaves under the grouping of `_grouping`, as `muon` does.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
