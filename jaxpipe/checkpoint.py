@@ -23,10 +23,12 @@ as they were saved, for the schedule to fit (`Schedule.relayout`).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Mapping, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpipe.errors import CheckpointError
@@ -70,6 +72,23 @@ def saved_pair(tree: Any) -> bool:
   """Whether a saved state tree (orbax metadata) is the older (state, RNG key) pair."""
   return (isinstance(tree, (list, tuple)) and len(tree) == 2 and isinstance(tree[0], Mapping)
           and hasattr(tree[1], "shape"))
+
+
+def _is_empty(x: Any) -> bool:
+  return hasattr(x, "shape") and math.prod(x.shape) == 0
+
+
+def _saveable(state: Any) -> Any:
+  """`state` with each zero-size array (SOAP's unrotated side) as a 0-d zero of its dtype.
+
+  orbax refuses to save an array without elements; the stand-in keeps the
+  tree's structure, and `restore` puts the template's empty array back.
+  """
+  def stand_in(x):
+    if not _is_empty(x):
+      return x
+    return jax.device_put(np.zeros((), x.dtype), _replicated_like([x]))
+  return jax.tree.map(stand_in, state)
 
 
 def _replicated_like(leaves: Any) -> jax.sharding.Sharding:
@@ -155,7 +174,7 @@ class Checkpointer:
            meta: Mapping[str, Any]) -> None:
     """Starts writing checkpoint `step` (in the background when async)."""
     self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
+        state=ocp.args.StandardSave(_saveable(state)),
         data=ocp.args.JsonSave(dict(data_state)),
         meta=ocp.args.JsonSave(dict(meta))), force=True)
 
@@ -173,7 +192,7 @@ class Checkpointer:
     """Restores checkpoint `step` into arrays shaped and sharded like `template`."""
     path = os.path.join(self.directory, str(step))
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _saveable(template))
     saved = self._saved_tree(step)
     pair = saved_pair(saved)
     if pair:
@@ -188,6 +207,7 @@ class Checkpointer:
                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                             "resume with the config it was written with") from None
     state = out["state"][0] if pair else out["state"]
+    state = jax.tree.map(lambda t, x: t if _is_empty(t) else x, template, state)
     return state, dict(out["data"]), dict(out["meta"])
 
   def _saved_tree(self, step: int) -> Any:

@@ -275,7 +275,9 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
         shapes[key], x.dtype,
         sharding=x.sharding if shapes[key] == x.shape else schedule.replicated())
   arrays, data_state = ckpt.restore_arrays(step, abstract)
-  restored = jax.tree_util.tree_map_with_path(lambda p, x: arrays.get(path_key(p), x), state)
+  # A zero-size array was saved as a 0-d stand-in (`Checkpointer.save`): keep this run's.
+  restored = jax.tree_util.tree_map_with_path(
+      lambda p, x: x if x.size == 0 else arrays.get(path_key(p), x), state)
   try:
     new_state = schedule.relayout(restored, state)
   except ValueError as e:
