@@ -92,7 +92,7 @@ def _saveable(state: Any) -> Any:
 
 
 def _replicated_like(leaves: Any) -> jax.sharding.Sharding:
-  """A replicated sharding on the mesh of the first sharded leaf (for an old pair's key)."""
+  """A replicated sharding on the mesh of the first sharded leaf (a stand-in's, an old key's)."""
   for x in jax.tree.leaves(leaves):
     mesh = getattr(x.sharding, "mesh", None)
     if mesh is not None:

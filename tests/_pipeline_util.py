@@ -49,6 +49,24 @@ SGD_LR = 0.5
 ADAM_EPS = 1e-6
 
 
+# What a forward keeps for its backward: the stage input (recomputed in the
+# backward) or jax.vjp's residuals. The two take different code paths through
+# the engine and must compute the same numbers.
+STASHES = ["inputs", "residuals"]
+
+
+def max_diff(a, b) -> float:
+  """Largest absolute difference between two weight trees."""
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def shape_id(shape) -> str:
+  """A readable test id for an (S, D, M) shape."""
+  s, d, m = shape
+  return f"S{s}-D{d}-M{m}"
+
+
 class Run(NamedTuple):
   """One training run.
 

@@ -5,14 +5,9 @@
 """
 
 import os
+import runpy
 import sys
 
-try:
-  import jaxpipe  # noqa: F401
-except ImportError:  # run from a fresh clone without installing
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jaxpipe.cli.export_hf import main  # pylint: disable=g-import-not-at-top
-
-if __name__ == "__main__":
-  sys.exit(main())
+# This clone's jaxpipe first, whether or not a jaxpipe is installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+runpy.run_module("jaxpipe.cli.export_hf", run_name="__main__", alter_sys=True)

@@ -6,14 +6,9 @@ The command lives in `jaxpipe.cli.prepare_data` (see its --help).
 """
 
 import os
+import runpy
 import sys
 
-try:
-  import jaxpipe  # noqa: F401
-except ImportError:  # run from a fresh clone without installing
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jaxpipe.cli.prepare_data import main  # pylint: disable=g-import-not-at-top
-
-if __name__ == "__main__":
-  sys.exit(main())
+# This clone's jaxpipe first, whether or not a jaxpipe is installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+runpy.run_module("jaxpipe.cli.prepare_data", run_name="__main__", alter_sys=True)

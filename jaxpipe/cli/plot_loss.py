@@ -10,11 +10,11 @@ x axis is optimizer steps, or tokens with --x tokens.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from jaxpipe import runs
+from jaxpipe.cli._common import Parser
 
 
 def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
@@ -84,7 +84,7 @@ def plot(run_dirs: list[str], out: str, *, x: str = "step", smooth: float = 0.9,
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = Parser(prog="plot_loss", description=__doc__.split("\n\n")[0])
   parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
   parser.add_argument("--out", default="loss.png", help="output PNG")
   parser.add_argument("--x", choices=("step", "tokens"), default="step")

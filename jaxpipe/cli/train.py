@@ -95,3 +95,7 @@ def next_steps(run_dir: str) -> str:
       "   (a Hugging Face Llama directory)",
       f"  view    {tensorboard} --logdir {q('tb')}   (after {extra})",
   ])
+
+
+if __name__ == "__main__":
+  sys.exit(main())
