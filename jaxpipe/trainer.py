@@ -264,7 +264,8 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   for (path, x), wanted in zip(jax.tree_util.tree_flatten_with_path(state)[0],
                                jax.tree.leaves(keep)):
     key = path_key(path)
-    if not wanted:
+    # An empty array (saved as a 0-d stand-in, `Checkpointer.save`) has nothing to read.
+    if not wanted or x.size == 0:
       continue
     if key not in shapes:
       raise CheckpointError(f"checkpoint {ckpt.directory}/{step} has no array {key}; resume "
@@ -275,9 +276,7 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
         shapes[key], x.dtype,
         sharding=x.sharding if shapes[key] == x.shape else schedule.replicated())
   arrays, data_state = ckpt.restore_arrays(step, abstract)
-  # A zero-size array was saved as a 0-d stand-in (`Checkpointer.save`): keep this run's.
-  restored = jax.tree_util.tree_map_with_path(
-      lambda p, x: x if x.size == 0 else arrays.get(path_key(p), x), state)
+  restored = jax.tree_util.tree_map_with_path(lambda p, x: arrays.get(path_key(p), x), state)
   try:
     new_state = schedule.relayout(restored, state)
   except ValueError as e:

@@ -282,7 +282,6 @@ def test_a_checkpoint_with_the_older_rng_key_resumes_exactly(tmp_path, cache):
   # test_resume_on_another_mesh_equals_the_uninterrupted_run.
 
 
-
 def test_a_state_with_zero_size_arrays_saves_and_restores(tmp_path):
   """SOAP's unrotated sides are [..., 0, 0] arrays, which orbax cannot save as they are.
 
@@ -293,7 +292,7 @@ def test_a_state_with_zero_size_arrays_saves_and_restores(tmp_path):
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
   from jaxpipe import optim
-  from jaxpipe.checkpoint import Checkpointer
+  from jaxpipe.checkpoint import Checkpointer, path_key
   from jaxpipe.pipeline import make_mesh
   mesh = make_mesh(2, 1)
   params = {"blocks": {"mlp": {"kernel": jax.device_put(
@@ -311,4 +310,13 @@ def test_a_state_with_zero_size_arrays_saves_and_restores(tmp_path):
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
     assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Another mesh's path (trainer._restore): every array but the empty ones, by name.
+  shapes = ckpt.saved_shapes(1)
+  flat = {path_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  wanted = {k: jax.ShapeDtypeStruct(shapes[k], x.dtype, sharding=x.sharding)
+            for k, x in flat.items() if x.size}
+  arrays, _ = ckpt.restore_arrays(1, wanted)
+  assert sorted(arrays) == sorted(wanted)
+  for k, x in arrays.items():
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(flat[k]))
   ckpt.close()
