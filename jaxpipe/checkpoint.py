@@ -23,6 +23,7 @@ as they were saved, for the schedule to fit (`Schedule.relayout`).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any, Mapping, Optional
@@ -140,11 +141,27 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], where
         "resume with the saved config, or choose a new run.dir")
 
 
+class _DropInterrupts(logging.Filter):
+  """Drops log records of a KeyboardInterrupt (our second signal), which the run reports.
+
+  orbax logs, with its traceback, any exception that reaches it while it
+  waits for a save to finish; a second signal raises KeyboardInterrupt there,
+  and the trainer then says in one line that it stopped without saving.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and record.exc_info[0] is KeyboardInterrupt)
+
+
+_INTERRUPTS = _DropInterrupts()
+
+
 class Checkpointer:
   """Saves and restores (state, data iterator state, meta) under one directory."""
 
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    logging.getLogger("absl").addFilter(_INTERRUPTS)   # a logger keeps one copy of it
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)

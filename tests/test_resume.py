@@ -320,3 +320,17 @@ def test_a_state_with_zero_size_arrays_saves_and_restores(tmp_path):
   for k, x in arrays.items():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(flat[k]))
   ckpt.close()
+
+
+def test_an_interrupt_in_a_save_wait_logs_no_traceback(tmp_path, caplog):
+  """orbax logs what reaches it while it waits for a save; the second signal's interrupt is not logged."""
+  from absl import logging as absl_logging
+  from jaxpipe.checkpoint import Checkpointer
+  Checkpointer(str(tmp_path / "ckpt"), async_save=False).close()
+  with caplog.at_level("ERROR", logger="absl"):
+    for exc in (KeyboardInterrupt(), RuntimeError("disk full")):
+      try:
+        raise exc
+      except BaseException:  # pylint: disable=broad-except
+        absl_logging.error("Save Finalize thread failed.", exc_info=True)
+  assert [r.exc_info[0] for r in caplog.records] == [RuntimeError]
