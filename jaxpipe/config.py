@@ -78,6 +78,9 @@ class PipelineConfig:
 class MeshConfig:
   data: int = 1                  # D: data-parallel replicas; the mesh is stage x data
   shard_optimizer: bool = True   # ZeRO-1: optimizer state split over the D replicas
+  # MoE in a pipelined schedule: each replica holds E/D of the experts and the
+  # tokens are exchanged by all-to-all (needs D to divide model.moe.num_experts).
+  expert_parallel: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,6 +384,11 @@ def validate(cfg: Config) -> None:
   _check(micro % cfg.mesh.data == 0,
          f"the microbatch of {micro} sequences (data.batch_size / pipeline.microbatches) "
          f"is not divisible by mesh.data={cfg.mesh.data} replicas")
+  if m.moe.num_experts and cfg.mesh.expert_parallel and p.schedule != "none":
+    _check(m.moe.num_experts % cfg.mesh.data == 0,
+           f"model.moe.num_experts={m.moe.num_experts} is not divisible by mesh.data="
+           f"{cfg.mesh.data}: expert parallelism gives each replica an equal share; choose "
+           "another mesh.data or set mesh.expert_parallel=false")
   _check(o.name in OPTIMIZERS, f"optimizer.name must be one of {', '.join(OPTIMIZERS)}; got '{o.name}'")
   _check(o.schedule in LR_SCHEDULES,
          f"optimizer.schedule must be one of {', '.join(LR_SCHEDULES)}; got '{o.schedule}'")

@@ -38,7 +38,7 @@ from jaxpipe.checkpoint import (LAYOUT_KEYS, RESUMABLE_KEYS, Checkpointer, check
                                 config_differences, path_key)
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
-from jaxpipe.pipeline import Schedule, StageFns, make_mesh, make_schedule
+from jaxpipe.pipeline import DATA, Schedule, StageFns, make_mesh, make_schedule
 
 __all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED"]
 
@@ -95,7 +95,8 @@ def stage_fns(model: model_lib.Model) -> StageFns:
   """The model as a pipeline sees it: embedding, blocks, logits and vocabulary layout."""
   return StageFns(embed=model.embed, stage=model.apply_blocks, logits=model.logits,
                   vocab_size=model.cfg.vocab_size, vocab_axes=model.vocab_axes,
-                  prepare=model.compute_blocks, loss_chunk=model.cfg.loss_chunk)
+                  prepare=model.compute_blocks, loss_chunk=model.cfg.loss_chunk,
+                  expert_axes=model.expert_axes)
 
 
 def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
@@ -104,7 +105,7 @@ def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
   `cfg.model.vocab_size` must be set (`resolve_model` fills it from the data).
   Tools that need no token data (the planner, the benchmarks) start here.
   """
-  model = model_lib.build(cfg.model)
+  model = model_lib.build(cfg.model, expert_axis=DATA)
   return model, stage_fns(model), optim.build(cfg.optimizer, cfg.run.steps)
 
 
@@ -120,6 +121,7 @@ def build(cfg: Config, devices=None) -> Run:
   mesh = make_mesh(p.stages, cfg.mesh.data, devices)
   schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash,
                            shard_optimizer=cfg.mesh.shard_optimizer,
+                           expert_parallel=cfg.mesh.expert_parallel,
                            predict=optim.predicted_params if cfg.optimizer.weight_prediction else None)
   return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
 
@@ -251,11 +253,21 @@ def _saved_layout(run: Run, ckpt: Checkpointer, step: int,
   return s_old, d_old
 
 
+def _experts_split(schedule: str, data: int, num_experts: int, expert_parallel: bool) -> bool:
+  return bool(expert_parallel and num_experts and data > 1 and schedule != "none")
+
+
 def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], state):
   """Checkpoint `step` as (state, data state), on this run's mesh whatever it was saved on."""
   cfg, schedule = run.cfg, run.schedule
   s_old, d_old = _saved_layout(run, ckpt, step, saved)
-  if (s_old, d_old) == (cfg.pipeline.stages, cfg.mesh.data):
+  # Whether the experts were split over 'data' changes 2bw's per-device
+  # residual stash; a checkpoint from before the key existed did not split them.
+  split_old = _experts_split(cfg.pipeline.schedule, d_old, cfg.model.moe.num_experts,
+                             saved.get("mesh", {}).get("expert_parallel", False))
+  split_new = _experts_split(cfg.pipeline.schedule, cfg.mesh.data, cfg.model.moe.num_experts,
+                             cfg.mesh.expert_parallel)
+  if (s_old, d_old, split_old) == (cfg.pipeline.stages, cfg.mesh.data, split_new):
     state, data_state, _ = ckpt.restore(step, state)
     return state, data_state
   shapes = ckpt.saved_shapes(step)
@@ -282,8 +294,10 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   except ValueError as e:
     raise CheckpointError(f"cannot resume {ckpt.directory}/{step} on this mesh: {e}") from None
   if jax.process_index() == 0:
+    experts = (f" (experts {'split over data' if split_new else 'on every replica'})"
+               if split_old != split_new else "")
     _say(f"resharded the checkpoint from {s_old} stage(s) x {d_old} data to "
-         f"{cfg.pipeline.stages} x {cfg.mesh.data}")
+         f"{cfg.pipeline.stages} x {cfg.mesh.data}{experts}")
   return new_state, data_state
 
 

@@ -2,7 +2,10 @@
 
 The same checks as the dense model's in test_pipeline.py, on a model whose
 blocks route tokens to 4 experts (top 2, capacity 1.25) and add a
-load-balancing loss, which every stage's backward must carry.
+load-balancing loss, which every stage's backward must carry. On meshes with
+2 data replicas the experts are split over them (expert parallelism: each
+replica holds 2 of the 4 and tokens travel by all-to-all), and every schedule
+must still train as one device does.
 """
 
 
@@ -17,18 +20,24 @@ from jaxpipe import optim
 from jaxpipe import trainer
 from jaxpipe.config import ModelConfig, MoEConfig
 from jaxpipe.pipeline import make_mesh, make_schedule
+from jax.sharding import PartitionSpec as P
+
+from tests import _pipeline_util as util
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
                   moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25,
                                 aux_loss_coeff=0.1))
 ROWS, SEQ, STEPS = 4, 8, 4
-MODEL = model_lib.build(CFG)
+MODEL = model_lib.build(CFG, expert_axis="data")
 FNS = trainer.stage_fns(MODEL)
 
 
-def _opt(delay=0):
+def _opt(delay=0, name="adamw", ef=0.0):
   # eps 1e-6: see tests/_pipeline_util.py on Adam and rounding-level gradients.
-  tx = optim.adamw(1e-3, eps=1e-6)
+  tx = (optim.adamw(1e-3, eps=1e-6) if name == "adamw"
+        else optim.muon(0.02, adam_learning_rate=1e-3, eps=1e-6))
+  if ef:
+    tx = optim.error_feedback(tx, ef)
   return optim.delay(tx, delay) if delay else tx
 
 
@@ -41,13 +50,21 @@ def _batches(m):
 _INIT = jax.device_get(jax.jit(MODEL.init)(jax.random.key(0)))
 
 
-def _run(schedule, stages, data, m, tx, stash="inputs"):
-  sch = make_schedule(schedule, FNS, tx, make_mesh(stages, data), m, stash=stash)
+def _schedule(schedule, stages, data, m, tx, stash="inputs", expert_parallel=True):
+  return make_schedule(schedule, FNS, tx, make_mesh(stages, data), m, stash=stash,
+                       expert_parallel=expert_parallel)
+
+
+def _run(schedule, stages, data, m, tx, stash="inputs", expert_parallel=True, hlo=None):
+  """(losses by batch, final weights); the compiled step's HLO is appended to `hlo`."""
+  sch = _schedule(schedule, stages, data, m, tx, stash, expert_parallel)
   state = sch.init(jax.tree.map(jnp.asarray, _INIT), (m, ROWS, SEQ))
   losses = {}
   for tok, tgt in _batches(m):
-    state, met = sch.step(state, jax.device_put(tok, sch.batch_sharding()),
-                          jax.device_put(tgt, sch.batch_sharding()))
+    tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in (tok, tgt))
+    if hlo is not None and not hlo:
+      hlo.append(sch.lower_step(state, tok, tgt).compile().as_text())
+    state, met = sch.step(state, tok, tgt)
     if int(met["loss_step"]) >= 0:
       losses[int(met["loss_step"])] = float(met["loss"])
   if sch.pending_loss(state) is not None:
@@ -70,22 +87,73 @@ def test_moe_aux_loss_is_in_the_objective():
 
 
 @pytest.mark.parametrize("schedule,stages,data,m", [
-    ("gpipe", 2, 2, 2), ("1f1b", 4, 1, 4)])
+    ("gpipe", 2, 2, 2), ("1f1b", 2, 2, 4)])
 def test_synchronous_schedules_match_one_device(schedule, stages, data, m):
   _match(_run(schedule, stages, data, m, _opt()), _run("none", 1, 1, m, _opt()))
 
 
-def test_2bw_matches_one_device_with_delay():
+@pytest.mark.parametrize("opt,ef,stash", [("adamw", 0.0, "residuals"), ("muon", 1.0, "inputs")])
+def test_2bw_matches_one_device_with_delay(opt, ef, stash):
   """With the residual stash the routing and the load-balancing loss of the forward
-  are what the backward pulls back through, not a recomputation (the other
-  schedules here recompute from the stashed inputs)."""
-  _match(_run("2bw", 2, 2, 2, _opt(), "residuals"), _run("none", 1, 1, 2, _opt(delay=1)))
+  are what the backward pulls back through, not a recomputation (the input
+  stash recomputes them). Muon orthogonalises each expert's matrices on the
+  replica that holds them."""
+  _match(_run("2bw", 2, 2, 2, _opt(name=opt, ef=ef), stash),
+         _run("none", 1, 1, 2, _opt(delay=1, name=opt, ef=ef)))
+
+
+def test_experts_are_split_over_data_and_tokens_travel_by_all_to_all():
+  """Each replica holds E/D experts of its stage's blocks; without expert
+  parallelism every replica holds all of them, and both train the same."""
+  on_hlo, off_hlo = [], []
+  sch = _schedule("2bw", 2, 2, 2, _opt())
+  state = jax.eval_shape(lambda p: sch.init(p, (2, ROWS, SEQ)), _INIT)
+  shardings = sch.state_shardings(state)
+  for name in ("gate", "up", "down"):
+    spec = shardings.cur["blocks"]["moe"][name]["kernel"].spec
+    shape = state.cur["blocks"]["moe"][name]["kernel"].shape
+    assert spec == P("stage", "data"), spec
+    local = shardings.cur["blocks"]["moe"][name]["kernel"].shard_shape(shape)
+    assert local[:2] == (CFG.n_layers // 2, CFG.moe.num_experts // 2)
+  assert shardings.cur["blocks"]["moe"]["router"]["kernel"].spec == P("stage")
+  on = _run("2bw", 2, 2, 2, _opt(), hlo=on_hlo)
+  off = _run("2bw", 2, 2, 2, _opt(), expert_parallel=False, hlo=off_hlo)
+  assert util.collectives(on_hlo[0], "all-to-all")
+  assert not util.collectives(off_hlo[0], "all-to-all")
+  _match(on, off)
+
+
+def test_expert_parallelism_needs_the_replicas_to_divide_the_experts():
+  sch = _schedule("2bw", 1, 8, 2, _opt())
+  with pytest.raises(ValueError, match="does not divide them"):
+    sch.init(jax.tree.map(jnp.asarray, _INIT), (2, 8, SEQ))
+
+
+def _update_flops(data):
+  sch = _schedule("2bw", 2, data, 2, _opt(name="muon"))
+  state = jax.eval_shape(lambda p: sch.init(p, (2, ROWS, SEQ)), _INIT)
+  sh = sch.state_shardings(state)
+  update = lambda p, o, g: sch._update(p, o, g, jnp.array(True))[:2]  # pylint: disable=protected-access
+  fn = jax.jit(update, in_shardings=(sh.cur, sh.opt_state, sh.cur),
+               out_shardings=(sh.cur, sh.opt_state))
+  return fn.lower(state.cur, state.opt_state, state.cur).compile().cost_analysis()["flops"]
+
+
+def test_newton_schulz_of_split_experts_stays_on_their_replica():
+  """The partitioned Muon update's FLOPs per device halve from D=1 to D=2.
+
+  An expert leaf [layers, experts, in, out] is split over 'stage' on its
+  layers and over 'data' on its experts; flattening both into one batch
+  axis (as optax's Muon does) would gather the stack, and every replica
+  would orthogonalise every expert.
+  """
+  assert _update_flops(2) < 0.6 * _update_flops(1)
 
 
 def test_pipedream_matches_stale_reference():
   """Stage s runs batch k on its weights of max(0, k-(S-1-s)) updates ago."""
   stages, m = 2, 2
-  got = _run("pipedream", stages, 1, m, _opt())
+  got = _run("pipedream", stages, 2, m, _opt())
   tx = _opt()
   per = CFG.n_layers // stages
 

@@ -141,6 +141,8 @@ BAD = [
       "data.batch_size=16"], "2*(stages-1) = 6"),
     (["pipeline.schedule=gpipe", "pipeline.stages=4", "mesh.data=4", "data.batch_size=32"],
      "16 devices"),
+    (["pipeline.schedule=2bw", "pipeline.stages=2", "pipeline.microbatches=2", "mesh.data=4",
+      "model.moe.num_experts=6"], "mesh.expert_parallel=false"),
 ]
 
 

@@ -141,8 +141,8 @@ class Plan:
     cfg: the resolved config.
     num_params: parameters of the whole model.
     stage_params: parameters one pipeline device holds per weight version
-      (its L/S blocks, its 1/S of the (padded) vocabulary rows and columns,
-      the final norm).
+      (its L/S blocks with 1/D of their experts under expert parallelism,
+      its 1/S of the (padded) vocabulary rows and columns, the final norm).
     bytes: {schedule: {stash: {row key: bytes per device}}}; the inner dict
       is None where the schedule refuses the config (2bw with M < 2(S-1)).
       `none` has one stash entry, 'inputs' (it has no stages).
@@ -233,8 +233,10 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   vocab_axes = jax.tree.leaves(fns.vocab_axes, is_leaf=lambda a: a is None)
   tokens = jax.ShapeDtypeStruct((rows, cfg.data.seq_len), jnp.int32)
 
+  expert_axes = jax.tree.leaves(fns.expert_axes(blocks), is_leaf=lambda a: a is None)
+
   def stage_shapes(num_stages: int):
-    """Per-device shapes: L/S blocks, the (padded) vocabulary over S."""
+    """Per-device shapes: L/S blocks, the (padded) vocabulary over S (experts whole)."""
     vocab = _vocab.padded_vocab(cfg.model.vocab_size, num_stages)
     sh = jax.eval_shape(lambda t: _vocab.pad_vocab(t, fns.vocab_axes, vocab), shared)
     local = jax.tree.map(
@@ -260,13 +262,21 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
       out[name] = {st: None for st in stashes}
       continue
     num = s_ if pipelined else 1
-    blk, local, _, _ = stage_shapes(num)
+    whole, local, _, _ = stage_shapes(num)
+    # With expert parallelism a device holds E/D of each block's experts but
+    # routes as many token slots through them as it would through all E, so
+    # its activations and residuals are those of the whole-expert stage.
+    split = pipelined and d_ > 1 and cfg.mesh.expert_parallel
+    blk = jax.tree.unflatten(jax.tree.structure(whole), [
+        x if a is None or not split else jax.ShapeDtypeStruct(
+            x.shape[:a] + (x.shape[a] // d_,) + x.shape[a + 1:], x.dtype)
+        for x, a in zip(jax.tree.leaves(whole), expert_axes)])
     x_like = jax.eval_shape(fns.embed, local, tokens)
     act = _bytes(x_like)
     one_version = f32(blk) + f32(local)         # a float32 copy of one version's shard
     if pipelined:
       stage_params = sum(int(x.size) for x in jax.tree.leaves((blk, local)))
-    prepared = jax.eval_shape(fns.prepare, blk)
+    prepared = jax.eval_shape(fns.prepare, whole)
     recompute = _bytes(residual_shapes(fns.stage, prepared, x_like))
     # The head's working set: float32 logits of this device's vocabulary
     # slice, their exponentials and their gradient, for the tokens the head
@@ -284,7 +294,8 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
     for stash in stashes:
       mesh = make_mesh(num, d_)
       sched = make_schedule(name, fns, optimizer, mesh, m, stash=stash,
-                            shard_optimizer=cfg.mesh.shard_optimizer)
+                            shard_optimizer=cfg.mesh.shard_optimizer,
+                            expert_parallel=cfg.mesh.expert_parallel)
       state = jax.eval_shape(lambda p, sched=sched: sched.init(p, batch_shape), params)
       nbytes = _device_bytes(state, sched.state_shardings(state))
       row = {k: 0 for k, _ in ROWS}
@@ -402,7 +413,8 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   m = cfg.pipeline.microbatches
   stages = cfg.pipeline.stages if schedule != "none" else 1
   sched = make_schedule(schedule, fns, optimizer, make_mesh(stages, cfg.mesh.data), m,
-                        stash=stash, shard_optimizer=cfg.mesh.shard_optimizer)
+                        stash=stash, shard_optimizer=cfg.mesh.shard_optimizer,
+                        expert_parallel=cfg.mesh.expert_parallel)
   batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
   params = jax.eval_shape(model.init, jax.random.key(0))
   state = jax.eval_shape(lambda p: sched.init(p, batch_shape), params)
@@ -430,7 +442,10 @@ def format_plan(p: Plan, device_gib: float) -> str:
       + (" + error feedback" if cfg.optimizer.error_feedback else "")
       + (f" + delay {cfg.optimizer.delay}" if cfg.optimizer.delay else ""),
       f"a pipeline device holds {p.stage_params / 1e6:.2f}M parameters per weight version "
-      f"({cfg.model.n_layers // max(s_, 1)} blocks, 1/{s_} of the vocabulary rows and columns)",
+      f"({cfg.model.n_layers // max(s_, 1)} blocks"
+      + (f" with 1/{d_} of their experts" if cfg.model.moe.num_experts and d_ > 1
+         and cfg.mesh.expert_parallel and s_ > 1 else "")
+      + f", 1/{s_} of the vocabulary rows and columns)",
       "",
   ]
   cols = [("none", "inputs")] + [(n, st) for n in SCHEDULES[1:] for st in STASHES]

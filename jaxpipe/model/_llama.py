@@ -18,7 +18,7 @@ is the vocabulary. The model knows nothing of meshes.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -102,6 +102,7 @@ class Attention(nn.Module):
   updated cache). The parameters are the same either way.
   """
   cfg: ModelConfig
+  expert_axis: Optional[str] = None
 
   @nn.compact
   def __call__(self, x, positions=None, cache=None):
@@ -149,6 +150,7 @@ class Block(nn.Module):
   and returns (x, auxiliary loss, updated cache).
   """
   cfg: ModelConfig
+  expert_axis: Optional[str] = None
 
   @nn.compact
   def __call__(self, x, positions=None, cache=None):
@@ -161,7 +163,7 @@ class Block(nn.Module):
     x = x + a
     h = RMSNorm(cfg.norm_eps, pd, name="mlp_norm")(x)
     if cfg.moe.num_experts:
-      y, aux = _moe.MoE(cfg, name="moe")(h)
+      y, aux = _moe.MoE(cfg, self.expert_axis, name="moe")(h)
     else:
       y, aux = MLP(cfg, name="mlp")(h), jnp.zeros_like(h, jnp.float32, shape=())
     return (x + y, aux) if cache is None else (x + y, aux, cache)
@@ -251,6 +253,9 @@ class Model(NamedTuple):
     compute_blocks: blocks -> the blocks with every matrix in the compute
       dtype (what the blocks cast them to anyway), for a pipeline to cast
       once per step; norm scales and the router stay as they are.
+    expert_axes: blocks -> a tree like them giving each leaf's expert axis
+      (1, after the layer axis, for the experts' matrices) or None; all None
+      for a model built without an `expert_axis`, which cannot split them.
   """
   cfg: ModelConfig
   init: Callable[[jax.Array], Params]
@@ -261,14 +266,27 @@ class Model(NamedTuple):
   loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
   vocab_axes: Any
   compute_blocks: Callable[[Params], Params]
+  expert_axes: Callable[[Params], Any]
 
 
-def build(cfg: ModelConfig) -> Model:
-  """Returns the model's pure functions for a config whose vocab_size is set."""
+def _expert_axes(blocks: Params) -> Any:
+  def axis(path, _):
+    names = [getattr(k, "key", None) for k in path]
+    return 1 if "moe" in names and names[-2] in _moe.EXPERT_MATRICES else None
+  return jax.tree_util.tree_map_with_path(axis, blocks)
+
+
+def build(cfg: ModelConfig, expert_axis: Optional[str] = None) -> Model:
+  """Returns the model's pure functions for a config whose vocab_size is set.
+
+  `expert_axis` names the `shard_map` axis that a Mixture-of-Experts layer
+  exchanges tokens over when it is given a slice of the experts (expert
+  parallelism, see `MoE`); with whole expert weights it is not used.
+  """
   if cfg.vocab_size <= 0:
     raise ValueError("model.vocab_size must be resolved (> 0) before building the model")
   cd, pd = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
-  block = Block(cfg)
+  block = Block(cfg, expert_axis)
   norm = RMSNorm(cfg.norm_eps, pd)
 
   def init(rng):
@@ -331,8 +349,9 @@ def build(cfg: ModelConfig) -> Model:
       return x
     return jax.tree_util.tree_map_with_path(cast, blocks)
 
+  expert_axes = _expert_axes if expert_axis else lambda b: jax.tree.map(lambda _: None, b)
   return Model(cfg, init, embed, apply_blocks, logits, head_loss, loss, vocab_axes,
-               compute_blocks)
+               compute_blocks, expert_axes)
 
 
 def num_params(params: Params) -> int:

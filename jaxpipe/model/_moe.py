@@ -14,12 +14,17 @@ matrices on its own.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxpipe.model._config import ModelConfig
+
+
+# The parameters stacked along the expert axis: {name: {'kernel': [experts, ...]}}.
+EXPERT_MATRICES = ("gate", "up", "down")
 
 
 def capacity(cfg: ModelConfig, seq_len: int) -> int:
@@ -34,8 +39,15 @@ class _Kernel(nn.Module):
   initializer: nn.initializers.Initializer
   param_dtype: jnp.dtype
 
+  sliced: bool = False  # may hold a slice of its leading (expert) axis; see MoE
+
   @nn.compact
   def __call__(self):
+    # flax checks a given parameter's shape against the initializer's; an
+    # expert-parallel device is given E/n of the experts, so that check is
+    # skipped for the expert matrices (MoE checks the count it gets).
+    if self.sliced and self.has_variable("params", "kernel"):
+      return self.get_variable("params", "kernel")
     return self.param("kernel", self.initializer, self.shape, self.param_dtype)
 
 
@@ -49,8 +61,21 @@ class MoE(nn.Module):
   passes through). The load-balancing loss is the Switch Transformer's
   E * sum_e f_e * P_e, where f_e is the share of routed assignments that chose
   expert e and P_e the mean router probability of e, times aux_loss_coeff.
+
+  Dispatch is by index: each expert slot gathers the one token that fills it
+  (an empty slot reads a zero row) and each token gathers its kept slots'
+  outputs, so moving tokens costs O(slots x dim), not the
+  O(tokens x slots x dim) of one-hot einsums.
+
+  Expert parallelism: when the expert weights this layer is given hold fewer
+  experts than `cfg.moe.num_experts` (inside `shard_map`, a slice of
+  E/n consecutive experts on each of the n devices of `expert_axis`), every
+  device routes its own sequences, sends each expert's slots to the device
+  that holds the expert and gets the outputs back (two `all_to_all`s over
+  `expert_axis`). The function of each sequence is unchanged.
   """
   cfg: ModelConfig
+  expert_axis: Optional[str] = None
 
   @nn.compact
   def __call__(self, x):
@@ -78,21 +103,43 @@ class MoE(nn.Module):
     position = (jnp.cumsum(flat, axis=1) - flat).reshape(b, t, k, e)
     slot = jnp.sum(position * choice, axis=-1)                     # [b, t, k]
     kept = slot < c
-    dispatch = (jax.nn.one_hot(expert, e, dtype=jnp.float32)[..., None]
-                * jax.nn.one_hot(jnp.where(kept, slot, c), c, dtype=jnp.float32)[..., None, :])
-    combine = jnp.sum(dispatch * gate[..., None, None], axis=2)   # [b, t, e, c]
-    dispatch = jnp.sum(dispatch, axis=2)                          # [b, t, e, c]
+    # Slot index in [0, e*c) of each kept choice; e*c (out of range) if dropped.
+    where = jnp.where(kept, expert * c + slot, e * c).reshape(b, t * k)
+    token = jnp.broadcast_to(jnp.arange(t * k, dtype=jnp.int32) // k, (b, t * k))
+    # The token each slot holds, t (the zero row below) where a slot is empty.
+    source = jax.vmap(lambda w, s: jnp.full((e * c,), t, jnp.int32).at[w].set(s, mode="drop"))(
+        where, token)
+    padded = jnp.concatenate([x.astype(compute), jnp.zeros((b, 1, d), compute)], axis=1)
+    xe = jnp.take_along_axis(padded, source[..., None], axis=1)   # [b, e*c, d]
 
     init = nn.initializers.normal(cfg.init_std)
     init_out = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
-    w_gate = _Kernel((e, d, hidden), init, param, name="gate")().astype(compute)
-    w_up = _Kernel((e, d, hidden), init, param, name="up")().astype(compute)
-    w_down = _Kernel((e, hidden, d), init_out, param, name="down")().astype(compute)
+    w_gate = _Kernel((e, d, hidden), init, param, True, name="gate")().astype(compute)
+    w_up = _Kernel((e, d, hidden), init, param, True, name="up")().astype(compute)
+    w_down = _Kernel((e, hidden, d), init_out, param, True, name="down")().astype(compute)
 
-    xe = jnp.einsum("btec,btd->becd", dispatch.astype(compute), x.astype(compute))
-    h = nn.silu(jnp.einsum("becd,edh->bech", xe, w_gate)) * jnp.einsum("becd,edh->bech", xe, w_up)
-    ye = jnp.einsum("bech,ehd->becd", h, w_down)
-    y = jnp.einsum("btec,becd->btd", combine.astype(compute), ye)
+    local = w_gate.shape[0]
+    n = e // local
+    if n * local != e or (n > 1 and self.expert_axis is None):
+      raise ValueError(f"MoE: the layer holds {local} of {e} experts; that needs e divisible "
+                       "by the local count and an expert_axis to exchange tokens over")
+    # [n, b, E/n, c, d]: the slots of the experts device j holds, at index j.
+    xe = xe.reshape(b, n, local, c, d).swapaxes(0, 1)
+    if n > 1:
+      xe = jax.lax.all_to_all(xe, self.expert_axis, 0, 0)         # index j: device j's tokens
+    h = nn.silu(jnp.einsum("nbecd,edh->nbech", xe, w_gate)) * jnp.einsum("nbecd,edh->nbech",
+                                                                         xe, w_up)
+    ye = jnp.einsum("nbech,ehd->nbecd", h, w_down)
+    if n > 1:
+      ye = jax.lax.all_to_all(ye, self.expert_axis, 0, 0)         # back: index j, expert group j
+    ye = ye.swapaxes(0, 1).reshape(b, e * c, d)
+
+    # Each token's kept outputs, weighted by its gates (in float32); a dropped
+    # choice reads the zero row and weighs 0.
+    ye = jnp.concatenate([ye, jnp.zeros((b, 1, d), ye.dtype)], axis=1)
+    yk = jnp.take_along_axis(ye, where[..., None], axis=1).reshape(b, t, k, d)
+    weight = jnp.where(kept, gate, 0.0)[..., None]
+    y = jnp.sum(yk.astype(jnp.float32) * weight, axis=2)
 
     share = jnp.mean(jnp.sum(jax.nn.one_hot(expert, e, dtype=jnp.float32), axis=2), axis=1) / k
     balance = e * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)  # [b]

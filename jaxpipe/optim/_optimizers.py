@@ -3,7 +3,9 @@
 Each factory wraps optax's own transforms. What they add is the grouping of
 `_grouping` (no weight decay on norms and biases; Muon only on hidden
 matrices, stacked or not) and, for Muon, the update scale and dimension numbers
-that let stacked layers and experts be orthogonalised matrix by matrix.
+that let stacked layers and experts be orthogonalised matrix by matrix. Muon's
+direction is optax's `scale_by_muon` rewritten only so that a stack split over
+two mesh axes stays split (`_orthogonalise`).
 """
 
 from __future__ import annotations
@@ -250,6 +252,54 @@ def _with_adamw(
   ))
 
 
+def _newton_schulz(x: jax.Array, coeffs: jax.Array, steps: int, eps) -> jax.Array:
+  """The quintic Newton-Schulz iteration on one matrix x [m, n], Frobenius-normalised.
+
+  The same operations as optax's `scale_by_muon` (x / (||x||_F + eps), the
+  wide orientation, X <- a X + (b A + c A^2) X with A = X X^T), per step
+  `coeffs[i]` when `coeffs` is [steps, 3].
+  """
+  transposed = x.shape[0] > x.shape[1]
+  if transposed:
+    x = x.T
+  x = x / (jnp.linalg.norm(x, ord="fro") + eps)
+  coeffs = coeffs.astype(x.dtype)
+
+  def step(x, c):
+    a = x @ x.T.conj()
+    b = c[1] * a + c[2] * a @ a
+    return c[0] * x + b @ x
+
+  if coeffs.ndim == 1:
+    x = jax.lax.fori_loop(0, steps, lambda _, x: step(x, coeffs), x, unroll=True)
+  else:
+    x, _ = jax.lax.scan(lambda x, c: (step(x, c), None), x, coeffs)
+  return x.T if transposed else x
+
+
+def _orthogonalise(x: jax.Array, dims: MuonDimensionNumbers, coeffs, steps, eps) -> jax.Array:
+  """Newton-Schulz on every matrix of x, its batch axes mapped one by one.
+
+  optax flattens all batch axes into one before its vmap. When two of them
+  are split over different mesh axes (a stage's layers over 'stage', its
+  experts over 'data'), no layout of the merged axis keeps both splits, so
+  XLA gathers the stack and every device orthogonalises all of it. Mapping
+  each batch axis with its own `jax.vmap` keeps each matrix on the device
+  that holds it.
+  """
+  red, out = _axes(x.ndim, dims.reduction_axis), _axes(x.ndim, dims.output_axis)
+  batch = tuple(a for a in range(x.ndim) if a not in red + out)
+  order = batch + red + out
+  shaped = jnp.transpose(x, order)
+  lead = shaped.shape[:len(batch)]
+  m, n = math.prod(x.shape[a] for a in red), math.prod(x.shape[a] for a in out)
+  fn = lambda mat: _newton_schulz(mat, coeffs, steps, eps)
+  for _ in batch:
+    fn = jax.vmap(fn)
+  y = fn(shaped.reshape(*lead, m, n)).reshape(shaped.shape)
+  return jnp.transpose(y, np.argsort(order))
+
+
 def _orthogonalised_momentum(
     dims_fn: Callable[[Any], Any],
     *,
@@ -260,11 +310,42 @@ def _orthogonalised_momentum(
     eps: float | jax.Array,
     mu_dtype: Any | None,
 ) -> optax.GradientTransformation:
-  """Muon's direction before its scale: NS(momentum), each matrix alone."""
-  return optax.contrib.scale_by_muon(
-      ns_coeffs=_ns_schedule(ns_coeffs, ns_steps), ns_steps=ns_steps,
-      beta=momentum, eps=eps,
-      mu_dtype=mu_dtype, nesterov=nesterov, weight_dimension_numbers=dims_fn)
+  """Muon's direction before its scale: NS(momentum), each matrix alone.
+
+  optax's `scale_by_muon` with its state (`optax.contrib.MuonState`) and its
+  arithmetic, except that the matrices of a stack are orthogonalised where
+  they lie on the mesh (`_orthogonalise`).
+  """
+  coeffs = _ns_schedule(ns_coeffs, ns_steps)
+  mu_dtype = jax.dtypes.canonicalize_dtype(mu_dtype) if mu_dtype is not None else None
+  is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
+
+  def init_fn(params):
+    c = jnp.asarray(coeffs)
+    if c.ndim == 2:
+      c = c[-ns_steps:]
+    return optax.contrib.MuonState(count=jnp.zeros([], jnp.int32),
+                                   mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+                                   ns_coeffs=c)
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, momentum, 1)
+    count = optax.safe_increment(state.count)
+    if nesterov:
+      mu_hat = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g,
+                            optax.tree.bias_correction(mu, momentum,
+                                                       optax.safe_increment(count)),
+                            optax.tree.bias_correction(updates, momentum, count))
+    else:
+      mu_hat = optax.tree.bias_correction(mu, momentum, count)
+    updates = jax.tree.map(
+        lambda x, d: _orthogonalise(x, d, state.ns_coeffs, ns_steps, eps),
+        mu_hat, dims_fn(updates), is_leaf=is_dims)
+    return updates, optax.contrib.MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype),
+                                            ns_coeffs=state.ns_coeffs)
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def muon(

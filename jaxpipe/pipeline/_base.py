@@ -157,9 +157,15 @@ class _Spec:
   ndim: int
 
 
+def _splits_data(spec: P) -> bool:
+  return any(e == DATA or (isinstance(e, tuple) and DATA in e) for e in spec)
+
+
 def _data_split(shape: tuple, spec: P, num_stages: int, num_data: int) -> P:
   """`spec` with 'data' added on the first axis of `shape` that can take it (see
-  `Schedule.opt_param_specs`); `spec` itself where none can."""
+  `Schedule.opt_param_specs`); `spec` itself where none can or it has 'data' already."""
+  if _splits_data(spec):
+    return spec
   entries = list(spec) + [None] * (len(shape) - len(spec))
   stacked = max(len(shape) - 2, 0)
   for a in [*range(stacked), *range(stacked, len(shape))]:
@@ -186,7 +192,7 @@ class Schedule:
 
   def __init__(self, fns: StageFns, optimizer: optax.GradientTransformation, mesh: Mesh,
                num_microbatches: int, *, stash: str = "inputs", shard_optimizer: bool = True,
-               predict: Optional[Any] = None):
+               expert_parallel: bool = True, predict: Optional[Any] = None):
     self.fns, self.opt, self.mesh = fns, optimizer, mesh
     self.shard_optimizer = shard_optimizer
     self.predict = predict
@@ -197,6 +203,9 @@ class Schedule:
     self.num_data = mesh.shape[DATA]
     self.num_microbatches = num_microbatches
     self.stash = stash
+    # Only the shard_map programs of the pipelined schedules exchange tokens
+    # between the replicas; `none` keeps every expert on every replica.
+    self.expert_parallel = expert_parallel and self.pipelined and self.num_data > 1
     if not self.pipelined and self.num_stages != 1:
       raise ValueError(f"schedule '{self.name}' runs without stages; got a mesh of "
                        f"{self.num_stages} stages")
@@ -227,14 +236,38 @@ class Schedule:
     """PartitionSpecs of a parameter tree (behind `lead` extra leading axes).
 
     Blocks are split over 'stage' on their layer axis, shared leaves on their
-    vocabulary axis; the rest is replicated. Without a pipeline, replicated.
+    vocabulary axis; the rest is replicated. With expert parallelism the
+    experts' axis of a block leaf (`StageFns.expert_axes`) is also split over
+    'data'. Without a pipeline, replicated.
     """
     blocks, shared = split_params(params)
     if not self.pipelined:
       return jax.tree.map(lambda _: P(), params)
     vocab = lambda a: P(*lead, *([None] * a), STAGE) if a is not None else P()
-    return merge_params(jax.tree.map(lambda _: P(*lead, STAGE), blocks),
+    return merge_params(jax.tree.map(lambda a: P(*lead, STAGE, *([None] * (a - 1)), DATA)
+                                     if a is not None else P(*lead, STAGE),
+                                     self.expert_axes(blocks), is_leaf=lambda a: a is None),
                         jax.tree.map(vocab, self.fns.vocab_axes, is_leaf=lambda a: a is None))
+
+  def expert_axes(self, blocks: Tree) -> Tree:
+    """Per block leaf: its expert axis if this schedule splits it over 'data', else None.
+
+    Raises ValueError if the replicas cannot share the experts evenly.
+    """
+    axes = self._split_experts(blocks)
+
+    def check(a, x):
+      if a is not None and x.shape[a] % self.num_data:
+        raise ValueError(f"expert parallelism splits the {x.shape[a]} experts over "
+                         f"{self.num_data} data replicas, which does not divide them; "
+                         "set mesh.expert_parallel=false or another mesh.data")
+      return a
+    return jax.tree.map(check, axes, blocks, is_leaf=lambda a: a is None)
+
+  def _split_experts(self, blocks: Tree) -> Tree:
+    if not self.expert_parallel:
+      return jax.tree.map(lambda _: None, blocks)
+    return self.fns.expert_axes(blocks)
 
   def _check_shared(self, shared: Tree) -> None:
     axes = jax.tree.structure(self.fns.vocab_axes, is_leaf=lambda a: a is None)

@@ -63,6 +63,10 @@ def _same(blocks: Tree) -> Tree:
   return blocks
 
 
+def _no_experts(blocks: Tree) -> Tree:
+  return jax.tree.map(lambda _: None, blocks)
+
+
 class StageFns(NamedTuple):
   """The model as the pipeline sees it.
 
@@ -82,6 +86,10 @@ class StageFns(NamedTuple):
       come back in its dtypes and are accumulated in the parameters'.
     loss_chunk: tokens whose logits the head computes at once (the backward
       recomputes each chunk's); 0 = a whole microbatch's at once.
+    expert_axes: blocks -> a tree like them giving, per leaf, its expert axis
+      (counted in the stacked leaf) or None. With expert parallelism the
+      pipeline splits those axes over 'data', and `stage`, given a slice of
+      the experts, must exchange tokens over 'data' itself.
   """
   embed: Callable[[Tree, jax.Array], jax.Array]
   stage: Callable[[Tree, jax.Array], tuple[jax.Array, jax.Array]]
@@ -90,6 +98,7 @@ class StageFns(NamedTuple):
   vocab_axes: Tree
   prepare: Callable[[Tree], Tree] = _same
   loss_chunk: int = 0
+  expert_axes: Callable[[Tree], Tree] = _no_experts
 
   def loss(self, shared: Tree, x: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean cross-entropy of `x` over the whole vocabulary (one device, no mesh axis).

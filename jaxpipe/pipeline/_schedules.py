@@ -116,9 +116,15 @@ class _Pipelined(Schedule):
     return jax.eval_shape(self.fns.embed, self._shared_local(shared), local)
 
   def _reduce(self, g_blocks, g_shared, loss):
-    """Sums a step's per-device gradient and loss sums into batch means."""
+    """Sums a step's per-device gradient and loss sums into batch means.
+
+    An expert slice's gradient is whole on the replica that holds it: the
+    backward of the token exchange brought every replica's share there.
+    """
     n = self.num_microbatches * self.num_data
-    g_blocks = jax.tree.map(lambda g: lax.psum(g, DATA) / n, g_blocks)
+    g_blocks = jax.tree.map(lambda a, g: (g if a is not None else lax.psum(g, DATA)) / n,
+                            self._split_experts(g_blocks), g_blocks,
+                            is_leaf=lambda a: a is None)
     g_shared = jax.tree.map(
         lambda g, a: lax.psum(g, DATA if a is not None else (STAGE, DATA)) / n,
         g_shared, self.fns.vocab_axes, is_leaf=lambda a: a is None)
