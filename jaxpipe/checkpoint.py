@@ -228,22 +228,12 @@ class Checkpointer:
     return state, dict(out["data"]), dict(out["meta"])
 
   def _saved_tree(self, step: int) -> Any:
-    """Checkpoint `step`'s saved state tree (orbax's metadata: shapes, no arrays)."""
-    reader = self._reader()
-    try:
-      return reader.item_metadata(step)["state"].tree
-    except Exception as e:
-      raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} is "
-                            f"unreadable ({type(e).__name__}); delete it to resume from an "
-                            "earlier one") from None
-    finally:
-      reader.close()
+    """Checkpoint `step`'s saved tree (orbax's metadata: shapes, no arrays)."""
+    return saved_state(self.directory, step, "delete it to resume from an earlier one")[0]
 
   def saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
     """The global shape of every array of checkpoint `step`'s state, by `path_key`."""
-    tree = self._saved_tree(step)
-    if saved_pair(tree):
-      tree = tree[0]
+    _, tree = saved_state(self.directory, step, "delete it to resume from an earlier one")
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: hasattr(x, "shape"))[0]:
@@ -322,6 +312,25 @@ class Checkpointer:
       manager, self._manager = self._manager, None
       manager.wait_until_finished()
       manager.close()
+
+
+def saved_state(directory: str, step: int, advice: str) -> Any:
+  """(checkpoint `step`'s saved tree, its state): orbax's metadata (shapes, no arrays).
+
+  The tree is the state, or an older checkpoint's (state, RNG key) pair. A
+  checkpoint orbax cannot read raises CheckpointError, the message ending in
+  `advice`.
+  """
+  reader = read_only_manager(directory)
+  try:
+    tree = reader.item_metadata(step)["state"].tree
+    state = tree[0] if saved_pair(tree) else tree
+  except Exception as e:  # orbax raises many types for a damaged checkpoint
+    raise CheckpointError(f"checkpoint {os.path.join(directory, str(step))} is unreadable "
+                          f"({type(e).__name__}); {advice}") from None
+  finally:
+    reader.close()
+  return tree, state
 
 
 def read_only_manager(directory: str) -> ocp.CheckpointManager:

@@ -194,18 +194,12 @@ def _saved_tree(ckpt_dir: str, step: int) -> tuple[Any, dict[str, Any]]:
 
   The tree is the state, or an older checkpoint's (state, RNG key) pair.
   """
-  from jaxpipe.checkpoint import saved_pair  # pylint: disable=g-import-not-at-top
-  manager = _reader(ckpt_dir)
-  try:
-    tree = manager.item_metadata(step)["state"].tree
-    state = tree[0] if saved_pair(tree) else tree
-    if not isinstance(state, dict):
-      raise TypeError(type(state).__name__)
-  except Exception as e:  # orbax raises many types for a damaged checkpoint
+  from jaxpipe.checkpoint import saved_state  # pylint: disable=g-import-not-at-top
+  advice = "give another --step"
+  tree, state = saved_state(ckpt_dir, step, advice)
+  if not isinstance(state, dict):
     raise CheckpointError(f"checkpoint {ckpt_dir}/{step} is unreadable "
-                          f"({type(e).__name__}); give another --step") from None
-  finally:
-    manager.close()
+                          f"({type(state).__name__}); {advice}")
   return tree, _flatten(state)
 
 
