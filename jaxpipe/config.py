@@ -324,6 +324,15 @@ def _check(cond: bool, message: str) -> None:
     raise ConfigError(message)
 
 
+def experts_split(schedule: str, data: int, num_experts: int, expert_parallel: bool) -> bool:
+  """Whether a run splits its experts over the data replicas (expert parallelism).
+
+  The rule `Schedule` applies: a pipelined schedule (a `shard_map` program),
+  D > 1 replicas, an MoE model and `mesh.expert_parallel`.
+  """
+  return bool(expert_parallel and num_experts and data > 1 and schedule != "none")
+
+
 def validate(cfg: Config) -> None:
   """Checks values and the arithmetic between sections; raises ConfigError."""
   r, d, m, p, o = cfg.run, cfg.data, cfg.model, cfg.pipeline, cfg.optimizer
@@ -384,7 +393,7 @@ def validate(cfg: Config) -> None:
   _check(micro % cfg.mesh.data == 0,
          f"the microbatch of {micro} sequences (data.batch_size / pipeline.microbatches) "
          f"is not divisible by mesh.data={cfg.mesh.data} replicas")
-  if m.moe.num_experts and cfg.mesh.expert_parallel and p.schedule != "none":
+  if experts_split(p.schedule, cfg.mesh.data, m.moe.num_experts, cfg.mesh.expert_parallel):
     _check(m.moe.num_experts % cfg.mesh.data == 0,
            f"model.moe.num_experts={m.moe.num_experts} is not divisible by mesh.data="
            f"{cfg.mesh.data}: expert parallelism gives each replica an equal share; choose "

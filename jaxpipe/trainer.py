@@ -104,6 +104,8 @@ def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
 
   `cfg.model.vocab_size` must be set (`resolve_model` fills it from the data).
   Tools that need no token data (the planner, the benchmarks) start here.
+  The model is built with `expert_axis='data'`: a Mixture-of-Experts layer
+  that a pipeline gives a slice of the experts exchanges tokens over 'data'.
   """
   model = model_lib.build(cfg.model, expert_axis=DATA)
   return model, stage_fns(model), optim.build(cfg.optimizer, cfg.run.steps)
@@ -253,20 +255,17 @@ def _saved_layout(run: Run, ckpt: Checkpointer, step: int,
   return s_old, d_old
 
 
-def _experts_split(schedule: str, data: int, num_experts: int, expert_parallel: bool) -> bool:
-  return bool(expert_parallel and num_experts and data > 1 and schedule != "none")
-
-
 def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], state):
   """Checkpoint `step` as (state, data state), on this run's mesh whatever it was saved on."""
   cfg, schedule = run.cfg, run.schedule
   s_old, d_old = _saved_layout(run, ckpt, step, saved)
-  # Whether the experts were split over 'data' changes 2bw's per-device
-  # residual stash; a checkpoint from before the key existed did not split them.
-  split_old = _experts_split(cfg.pipeline.schedule, d_old, cfg.model.moe.num_experts,
-                             saved.get("mesh", {}).get("expert_parallel", False))
-  split_new = _experts_split(cfg.pipeline.schedule, cfg.mesh.data, cfg.model.moe.num_experts,
-                             cfg.mesh.expert_parallel)
+  # Whether the experts were split over 'data' changes the per-device shapes
+  # of 2bw's in-flight state (its gradient accumulator, a residual stash); a
+  # checkpoint from before the key existed did not split them.
+  split_old = config_lib.experts_split(cfg.pipeline.schedule, d_old, cfg.model.moe.num_experts,
+                                       saved.get("mesh", {}).get("expert_parallel", False))
+  split_new = config_lib.experts_split(cfg.pipeline.schedule, cfg.mesh.data,
+                                       cfg.model.moe.num_experts, cfg.mesh.expert_parallel)
   if (s_old, d_old, split_old) == (cfg.pipeline.stages, cfg.mesh.data, split_new):
     state, data_state, _ = ckpt.restore(step, state)
     return state, data_state

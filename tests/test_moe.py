@@ -14,14 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe import model as model_lib
 from jaxpipe import optim
 from jaxpipe import trainer
 from jaxpipe.config import ModelConfig, MoEConfig
 from jaxpipe.pipeline import make_mesh, make_schedule
-from jax.sharding import PartitionSpec as P
-
 from tests import _pipeline_util as util
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -56,10 +55,11 @@ def _schedule(schedule, stages, data, m, tx, stash="inputs", expert_parallel=Tru
 
 
 def _run(schedule, stages, data, m, tx, stash="inputs", expert_parallel=True, hlo=None):
-  """(losses by batch, final weights); the compiled step's HLO is appended to `hlo`."""
+  """(losses by batch, final weights, {batch: its gradient's norm}); the compiled
+  step's HLO is appended to `hlo`."""
   sch = _schedule(schedule, stages, data, m, tx, stash, expert_parallel)
   state = sch.init(jax.tree.map(jnp.asarray, _INIT), (m, ROWS, SEQ))
-  losses = {}
+  losses, norms = {}, {}
   for tok, tgt in _batches(m):
     tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in (tok, tgt))
     if hlo is not None and not hlo:
@@ -67,14 +67,26 @@ def _run(schedule, stages, data, m, tx, stash="inputs", expert_parallel=True, hl
     state, met = sch.step(state, tok, tgt)
     if int(met["loss_step"]) >= 0:
       losses[int(met["loss_step"])] = float(met["loss"])
+      norms[int(met["loss_step"])] = float(met["grad_norm"])
   if sch.pending_loss(state) is not None:
     losses[STEPS - 1] = float(sch.pending_loss(state))
-  return np.array([losses[k] for k in range(STEPS)]), jax.device_get(sch.params(state))
+  return (np.array([losses[k] for k in range(STEPS)]), jax.device_get(sch.params(state)),
+          norms)
 
 
 def _match(got, want):
+  """Losses and final weights; and the gradient norms of the batches both report.
+
+  The norms catch what Adam's and Muon's scale invariance would hide in the
+  weights: an expert gradient summed over the replicas once too often.
+  """
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=5e-6), got[1], want[1])
+  if len(got) > 2 and len(want) > 2:
+    both = sorted(set(got[2]) & set(want[2]))
+    assert len(both) >= STEPS - 1, both
+    np.testing.assert_allclose([got[2][k] for k in both], [want[2][k] for k in both],
+                               rtol=1e-5)
 
 
 def test_moe_aux_loss_is_in_the_objective():
@@ -87,7 +99,7 @@ def test_moe_aux_loss_is_in_the_objective():
 
 
 @pytest.mark.parametrize("schedule,stages,data,m", [
-    ("gpipe", 2, 2, 2), ("1f1b", 2, 2, 4)])
+    ("gpipe", 2, 2, 2), ("1f1b", 4, 2, 4), ("none", 1, 2, 2)])
 def test_synchronous_schedules_match_one_device(schedule, stages, data, m):
   _match(_run(schedule, stages, data, m, _opt()), _run("none", 1, 1, m, _opt()))
 
@@ -127,6 +139,13 @@ def test_expert_parallelism_needs_the_replicas_to_divide_the_experts():
   sch = _schedule("2bw", 1, 8, 2, _opt())
   with pytest.raises(ValueError, match="does not divide them"):
     sch.init(jax.tree.map(jnp.asarray, _INIT), (2, 8, SEQ))
+  # Behind pipedream's version axis the experts are the third axis, not the
+  # second: 6 layers x 4 experts over 4 replicas is a valid split.
+  sch = _schedule("pipedream", 2, 4, 2, _opt())
+  versions = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2, 6) + x.shape[1:], x.dtype),
+                          _INIT["blocks"])
+  axes = sch.expert_axes(versions, lead=1)
+  assert axes["moe"]["gate"]["kernel"] == 1 and axes["moe"]["router"]["kernel"] is None
 
 
 def _update_flops(data):

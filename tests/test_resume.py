@@ -140,13 +140,14 @@ MESHES = {
                                         "optimizer.name=muon", "optimizer.error_feedback=1"],
                                        ["pipeline.stages=2", "mesh.data=2"],
                                        ["pipeline.stages=4", "mesh.data=1"]),
-    # The same mesh, the experts split over data before and on every replica
-    # after: the residual stash's per-device layout changes.
-    "2bw moe, experts split -> whole": (["pipeline.schedule=2bw", "pipeline.microbatches=2",
+    # The same mesh, the experts on every replica before (as in a checkpoint
+    # from before expert parallelism) and split over data after: 2bw's
+    # in-flight accumulator and residual stash change their per-device layout.
+    "2bw moe, experts whole -> split": (["pipeline.schedule=2bw", "pipeline.microbatches=2",
                                          "pipeline.stash=residuals", "pipeline.stages=2",
                                          "mesh.data=2", "model.moe.num_experts=4",
                                          "model.moe.ffn_dim=64"],
-                                        [], ["mesh.expert_parallel=false"]),
+                                        ["mesh.expert_parallel=false"], []),
     "1f1b stages 2 -> 4, data 1 -> 2": (["pipeline.schedule=1f1b", "pipeline.microbatches=4"],
                                         ["pipeline.stages=2"],
                                         ["pipeline.stages=4", "mesh.data=2"]),

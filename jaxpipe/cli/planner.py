@@ -266,7 +266,8 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
     # With expert parallelism a device holds E/D of each block's experts but
     # routes as many token slots through them as it would through all E, so
     # its activations and residuals are those of the whole-expert stage.
-    split = pipelined and d_ > 1 and cfg.mesh.expert_parallel
+    split = config_lib.experts_split(name, d_, cfg.model.moe.num_experts,
+                                     cfg.mesh.expert_parallel)
     blk = jax.tree.unflatten(jax.tree.structure(whole), [
         x if a is None or not split else jax.ShapeDtypeStruct(
             x.shape[:a] + (x.shape[a] // d_,) + x.shape[a + 1:], x.dtype)
@@ -443,8 +444,9 @@ def format_plan(p: Plan, device_gib: float) -> str:
       + (f" + delay {cfg.optimizer.delay}" if cfg.optimizer.delay else ""),
       f"a pipeline device holds {p.stage_params / 1e6:.2f}M parameters per weight version "
       f"({cfg.model.n_layers // max(s_, 1)} blocks"
-      + (f" with 1/{d_} of their experts" if cfg.model.moe.num_experts and d_ > 1
-         and cfg.mesh.expert_parallel and s_ > 1 else "")
+      # Every pipelined schedule splits them alike; "2bw" stands for any.
+      + (f" with 1/{d_} of their experts" if config_lib.experts_split(
+          "2bw", d_, cfg.model.moe.num_experts, cfg.mesh.expert_parallel) else "")
       + f", 1/{s_} of the vocabulary rows and columns)",
       "",
   ]

@@ -12,7 +12,9 @@ functions so that a pipeline can give them to different stages: `embed` (a row
 lookup, so a stage can hold some of the rows), `apply_blocks` on any slice of
 the stacked blocks, and `logits` (the final norm and the output layer, on any
 slice of the vocabulary); `vocab_axes` says which axis of each non-block leaf
-is the vocabulary. The model knows nothing of meshes.
+is the vocabulary. The model knows nothing of meshes: a Mixture-of-Experts
+layer given a slice of the experts exchanges tokens over the axis name its
+caller passes to `build` (expert parallelism), and that is all it knows.
 """
 
 from __future__ import annotations
@@ -102,7 +104,6 @@ class Attention(nn.Module):
   updated cache). The parameters are the same either way.
   """
   cfg: ModelConfig
-  expert_axis: Optional[str] = None
 
   @nn.compact
   def __call__(self, x, positions=None, cache=None):
@@ -147,7 +148,7 @@ class Block(nn.Module):
   """One pre-norm transformer block; returns (x, auxiliary loss).
 
   Called as (x, positions, cache) it decodes with a KVCache (see Attention)
-  and returns (x, auxiliary loss, updated cache).
+  and returns (x, auxiliary loss, updated cache). `expert_axis`: see `MoE`.
   """
   cfg: ModelConfig
   expert_axis: Optional[str] = None

@@ -47,7 +47,11 @@ class _Kernel(nn.Module):
     # expert-parallel device is given E/n of the experts, so that check is
     # skipped for the expert matrices (MoE checks the count it gets).
     if self.sliced and self.has_variable("params", "kernel"):
-      return self.get_variable("params", "kernel")
+      w = self.get_variable("params", "kernel")
+      if w.shape[1:] != self.shape[1:] or not w.shape[0] or self.shape[0] % w.shape[0]:
+        raise ValueError(f"MoE kernel {self.name}: expected {self.shape} or a slice of its "
+                         f"experts, got {w.shape}")
+      return w
     return self.param("kernel", self.initializer, self.shape, self.param_dtype)
 
 

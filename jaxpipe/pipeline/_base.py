@@ -246,19 +246,22 @@ class Schedule:
     vocab = lambda a: P(*lead, *([None] * a), STAGE) if a is not None else P()
     return merge_params(jax.tree.map(lambda a: P(*lead, STAGE, *([None] * (a - 1)), DATA)
                                      if a is not None else P(*lead, STAGE),
-                                     self.expert_axes(blocks), is_leaf=lambda a: a is None),
+                                     self.expert_axes(blocks, len(lead)),
+                                     is_leaf=lambda a: a is None),
                         jax.tree.map(vocab, self.fns.vocab_axes, is_leaf=lambda a: a is None))
 
-  def expert_axes(self, blocks: Tree) -> Tree:
+  def expert_axes(self, blocks: Tree, lead: int = 0) -> Tree:
     """Per block leaf: its expert axis if this schedule splits it over 'data', else None.
 
-    Raises ValueError if the replicas cannot share the experts evenly.
+    The axis is counted in the stacked leaf, behind `lead` extra leading axes
+    that `blocks` carries (pipedream's versions). Raises ValueError if the
+    replicas cannot share the experts evenly.
     """
     axes = self._split_experts(blocks)
 
     def check(a, x):
-      if a is not None and x.shape[a] % self.num_data:
-        raise ValueError(f"expert parallelism splits the {x.shape[a]} experts over "
+      if a is not None and x.shape[a + lead] % self.num_data:
+        raise ValueError(f"expert parallelism splits the {x.shape[a + lead]} experts over "
                          f"{self.num_data} data replicas, which does not divide them; "
                          "set mesh.expert_parallel=false or another mesh.data")
       return a
@@ -289,7 +292,9 @@ class Schedule:
     with three or more (layers, experts; so that Muon orthogonalises whole
     matrices, each on one replica), then the others. An axis already split
     over 'stage' takes ('stage', 'data') when S x D divides it. A leaf with
-    no such axis stays replicated over 'data'.
+    no such axis stays replicated over 'data'. A leaf whose parameter is
+    split over 'data' already (experts under expert parallelism) keeps its
+    parameter's spec: each replica updates the experts it holds.
     """
     specs = self.param_specs(params)
     if not self.shard_optimizer or self.num_data == 1:

@@ -382,7 +382,10 @@ def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformat
 
   Keyword arguments: `stash` ('inputs' or 'residuals', see `Engine`);
   `shard_optimizer` (default True: ZeRO-1, the optimizer's parameter-shaped
-  state split over 'data', see `Schedule.opt_param_specs`); `predict`
+  state split over 'data', see `Schedule.opt_param_specs`); `expert_parallel`
+  (default True: in a pipelined schedule on D > 1 replicas, the leaves that
+  `StageFns.expert_axes` marks are split over 'data', see
+  `Schedule.param_specs`); `predict`
   (schedule none only: a function (params, opt_state) -> the weights the
   gradient is taken at, e.g. `jaxpipe.optim.predicted_params`; the update is
   applied to params, and evaluation uses params).
