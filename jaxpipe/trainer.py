@@ -38,7 +38,7 @@ from jaxpipe.checkpoint import (LAYOUT_KEYS, RESUMABLE_KEYS, Checkpointer, check
                                 config_differences, path_key)
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
-from jaxpipe.pipeline import DATA, Schedule, StageFns, make_mesh, make_schedule
+from jaxpipe.pipeline import Schedule, StageFns, expert_exchange, make_mesh, make_schedule
 
 __all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED"]
 
@@ -104,10 +104,11 @@ def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
 
   `cfg.model.vocab_size` must be set (`resolve_model` fills it from the data).
   Tools that need no token data (the planner, the benchmarks) start here.
-  The model is built with `expert_axis='data'`: a Mixture-of-Experts layer
-  that a pipeline gives a slice of the experts exchanges tokens over 'data'.
+  The model is built with the pipeline's `expert_exchange`: a
+  Mixture-of-Experts layer that a pipeline gives a slice of the experts sends
+  tokens to them over 'data'.
   """
-  model = model_lib.build(cfg.model, expert_axis=DATA)
+  model = model_lib.build(cfg.model, exchange=expert_exchange)
   return model, stage_fns(model), optim.build(cfg.optimizer, cfg.run.steps)
 
 

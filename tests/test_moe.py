@@ -20,14 +20,14 @@ from jaxpipe import model as model_lib
 from jaxpipe import optim
 from jaxpipe import trainer
 from jaxpipe.config import ModelConfig, MoEConfig
-from jaxpipe.pipeline import make_mesh, make_schedule
+from jaxpipe.pipeline import expert_exchange, make_mesh, make_schedule
 from tests import _pipeline_util as util
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
                   moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25,
                                 aux_loss_coeff=0.1))
 ROWS, SEQ, STEPS = 4, 8, 4
-MODEL = model_lib.build(CFG, expert_axis="data")
+MODEL = model_lib.build(CFG, exchange=expert_exchange)
 FNS = trainer.stage_fns(MODEL)
 
 

@@ -13,8 +13,8 @@ lookup, so a stage can hold some of the rows), `apply_blocks` on any slice of
 the stacked blocks, and `logits` (the final norm and the output layer, on any
 slice of the vocabulary); `vocab_axes` says which axis of each non-block leaf
 is the vocabulary. The model knows nothing of meshes: a Mixture-of-Experts
-layer given a slice of the experts exchanges tokens over the axis name its
-caller passes to `build` (expert parallelism), and that is all it knows.
+layer given a slice of the experts sends tokens to them through an exchange
+function its caller passes to `build` (expert parallelism).
 """
 
 from __future__ import annotations
@@ -148,10 +148,10 @@ class Block(nn.Module):
   """One pre-norm transformer block; returns (x, auxiliary loss).
 
   Called as (x, positions, cache) it decodes with a KVCache (see Attention)
-  and returns (x, auxiliary loss, updated cache). `expert_axis`: see `MoE`.
+  and returns (x, auxiliary loss, updated cache). `exchange`: see `MoE`.
   """
   cfg: ModelConfig
-  expert_axis: Optional[str] = None
+  exchange: Optional[Callable[[jax.Array], jax.Array]] = None
 
   @nn.compact
   def __call__(self, x, positions=None, cache=None):
@@ -164,7 +164,7 @@ class Block(nn.Module):
     x = x + a
     h = RMSNorm(cfg.norm_eps, pd, name="mlp_norm")(x)
     if cfg.moe.num_experts:
-      y, aux = _moe.MoE(cfg, self.expert_axis, name="moe")(h)
+      y, aux = _moe.MoE(cfg, self.exchange, name="moe")(h)
     else:
       y, aux = MLP(cfg, name="mlp")(h), jnp.zeros_like(h, jnp.float32, shape=())
     return (x + y, aux) if cache is None else (x + y, aux, cache)
@@ -256,7 +256,7 @@ class Model(NamedTuple):
       once per step; norm scales and the router stay as they are.
     expert_axes: blocks -> a tree like them giving each leaf's expert axis
       (1, after the layer axis, for the experts' matrices) or None; all None
-      for a model built without an `expert_axis`, which cannot split them.
+      for a model built without an `exchange`, which cannot split them.
   """
   cfg: ModelConfig
   init: Callable[[jax.Array], Params]
@@ -277,17 +277,18 @@ def _expert_axes(blocks: Params) -> Any:
   return jax.tree_util.tree_map_with_path(axis, blocks)
 
 
-def build(cfg: ModelConfig, expert_axis: Optional[str] = None) -> Model:
+def build(cfg: ModelConfig,
+          exchange: Optional[Callable[[jax.Array], jax.Array]] = None) -> Model:
   """Returns the model's pure functions for a config whose vocab_size is set.
 
-  `expert_axis` names the `shard_map` axis that a Mixture-of-Experts layer
-  exchanges tokens over when it is given a slice of the experts (expert
-  parallelism, see `MoE`); with whole expert weights it is not used.
+  `exchange` is how a Mixture-of-Experts layer given a slice of the experts
+  sends token slots to the devices that hold the others (see `MoE`); with
+  whole expert weights it is not called.
   """
   if cfg.vocab_size <= 0:
     raise ValueError("model.vocab_size must be resolved (> 0) before building the model")
   cd, pd = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
-  block = Block(cfg, expert_axis)
+  block = Block(cfg, exchange)
   norm = RMSNorm(cfg.norm_eps, pd)
 
   def init(rng):
@@ -350,7 +351,7 @@ def build(cfg: ModelConfig, expert_axis: Optional[str] = None) -> Model:
       return x
     return jax.tree_util.tree_map_with_path(cast, blocks)
 
-  expert_axes = _expert_axes if expert_axis else lambda b: jax.tree.map(lambda _: None, b)
+  expert_axes = _expert_axes if exchange else lambda b: jax.tree.map(lambda _: None, b)
   return Model(cfg, init, embed, apply_blocks, logits, head_loss, loss, vocab_axes,
                compute_blocks, expert_axes)
 

@@ -14,7 +14,7 @@ matrices on its own.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -72,14 +72,17 @@ class MoE(nn.Module):
   O(tokens x slots x dim) of one-hot einsums.
 
   Expert parallelism: when the expert weights this layer is given hold fewer
-  experts than `cfg.moe.num_experts` (inside `shard_map`, a slice of
-  E/n consecutive experts on each of the n devices of `expert_axis`), every
-  device routes its own sequences, sends each expert's slots to the device
-  that holds the expert and gets the outputs back (two `all_to_all`s over
-  `expert_axis`). The function of each sequence is unchanged.
+  experts than `cfg.moe.num_experts` (inside `shard_map`, a slice of E/n
+  consecutive experts on each of n devices), every device routes its own
+  sequences, sends each expert's slots to the device that holds the expert
+  and gets the outputs back, both through `exchange`. The layer knows no
+  mesh: `exchange` is the caller's, a function of [n, ...] arrays that sends
+  index j to device j and puts what device j sent at index j (an
+  all-to-all, e.g. `jaxpipe.pipeline.expert_exchange`). The function of each
+  sequence is unchanged.
   """
   cfg: ModelConfig
-  expert_axis: Optional[str] = None
+  exchange: Optional[Callable[[jax.Array], jax.Array]] = None
 
   @nn.compact
   def __call__(self, x):
@@ -124,18 +127,18 @@ class MoE(nn.Module):
 
     local = w_gate.shape[0]
     n = e // local
-    if n * local != e or (n > 1 and self.expert_axis is None):
+    if n * local != e or (n > 1 and self.exchange is None):
       raise ValueError(f"MoE: the layer holds {local} of {e} experts; that needs e divisible "
-                       "by the local count and an expert_axis to exchange tokens over")
+                       "by the local count and an exchange to send tokens to them")
     # [n, b, E/n, c, d]: the slots of the experts device j holds, at index j.
     xe = xe.reshape(b, n, local, c, d).swapaxes(0, 1)
     if n > 1:
-      xe = jax.lax.all_to_all(xe, self.expert_axis, 0, 0)         # index j: device j's tokens
+      xe = self.exchange(xe)                                      # index j: device j's tokens
     h = nn.silu(jnp.einsum("nbecd,edh->nbech", xe, w_gate)) * jnp.einsum("nbecd,edh->nbech",
                                                                          xe, w_up)
     ye = jnp.einsum("nbech,ehd->nbecd", h, w_down)
     if n > 1:
-      ye = jax.lax.all_to_all(ye, self.expert_axis, 0, 0)         # back: index j, expert group j
+      ye = self.exchange(ye)                                      # back: index j, expert group j
     ye = ye.swapaxes(0, 1).reshape(b, e * c, d)
 
     # Each token's kept outputs, weighted by its gates (in float32); a dropped

@@ -14,8 +14,8 @@ from jaxpipe.pipeline._timetable import (PIPELINED, SCHEDULE_NAMES, Cell, Facts,
                                          stash_slots, step_plan, timetable)
 
 _LAZY = {
-    "DATA": "_engine", "STAGE": "_engine", "StageFns": "_engine", "Engine": "_engine",
-    "STASH_CHOICES": "_engine",
+    "StageFns": "_engine", "Engine": "_engine", "STASH_CHOICES": "_engine",
+    "expert_exchange": "_engine",
     "Schedule": "_schedules", "SyncState": "_schedules", "PipeDreamState": "_schedules",
     "TwoBWState": "_schedules", "InFlight": "_schedules", "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",

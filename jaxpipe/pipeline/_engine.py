@@ -50,7 +50,7 @@ from jaxpipe.pipeline._timetable import StepPlan, TickKind
 Tree = Any
 
 __all__ = ["StageFns", "TickCarry", "Engine", "STASH_CHOICES", "make_varying", "varying_axes",
-           "residual_shapes"]
+           "residual_shapes", "expert_exchange"]
 
 STAGE, DATA = "stage", "data"
 AXES = (STAGE, DATA)
@@ -89,7 +89,7 @@ class StageFns(NamedTuple):
     expert_axes: blocks -> a tree like them giving, per leaf, its expert axis
       (counted in the stacked leaf) or None. With expert parallelism the
       pipeline splits those axes over 'data', and `stage`, given a slice of
-      the experts, must exchange tokens over 'data' itself.
+      the experts, must send tokens to them itself (`expert_exchange`).
   """
   embed: Callable[[Tree, jax.Array], jax.Array]
   stage: Callable[[Tree, jax.Array], tuple[jax.Array, jax.Array]]
@@ -116,6 +116,17 @@ class StageFns(NamedTuple):
                                  axis=-1)[..., 0]
     bad = (targets < 0) | (targets >= self.vocab_size)
     return jnp.mean((lse - target) * jnp.where(bad, jnp.nan, 1.0))
+
+
+def expert_exchange(x: jax.Array) -> jax.Array:
+  """All-to-all over 'data' of an [n, ...] array (n = the data degree), inside `shard_map`.
+
+  Index j goes to replica j; the result's index j is what replica j sent.
+  This is how a model's Mixture-of-Experts layer sends token slots to the
+  replicas that hold their experts when the pipeline splits the experts over
+  'data' (`StageFns.expert_axes`), and brings the outputs back.
+  """
+  return lax.all_to_all(x, DATA, 0, 0)
 
 
 def varying_axes(x) -> frozenset:
