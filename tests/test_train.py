@@ -181,9 +181,10 @@ def test_mismatched_resume_is_refused_and_nothing_is_lost(tmp_path, cache, pulse
 
 
 def test_moe_in_bfloat16_trains_with_2bw(tmp_path, cache):
-  """The accelerator path on the emulated mesh: MoE blocks, bfloat16 compute, 2bw."""
+  """The accelerator path on the emulated mesh: MoE blocks split over 2 replicas,
+  bfloat16 compute, 2bw."""
   run_dir = str(tmp_path / "moe")
-  p = _runs.run(run_dir, "run.steps=3", "model.compute_dtype=bfloat16",
+  p = _runs.run(run_dir, "run.steps=3", "model.compute_dtype=bfloat16", "mesh.data=2",
                 cache_dir=cache, config=os.path.join(_runs.ROOT, "configs", "tiny-moe.yaml"))
   assert p.returncode == 0, p.stderr
   losses = _runs.train_losses(run_dir)
