@@ -125,11 +125,12 @@ class MoE(nn.Module):
     w_up = _Kernel((e, d, hidden), init, param, True, name="up")().astype(compute)
     w_down = _Kernel((e, hidden, d), init_out, param, True, name="down")().astype(compute)
 
+    # _Kernel has checked that the local count divides e.
     local = w_gate.shape[0]
     n = e // local
-    if n * local != e or (n > 1 and self.exchange is None):
-      raise ValueError(f"MoE: the layer holds {local} of {e} experts; that needs e divisible "
-                       "by the local count and an exchange to send tokens to them")
+    if n > 1 and self.exchange is None:
+      raise ValueError(f"MoE: the layer holds {local} of {e} experts and has no exchange to "
+                       "send tokens to the others")
     # [n, b, E/n, c, d]: the slots of the experts device j holds, at index j.
     xe = xe.reshape(b, n, local, c, d).swapaxes(0, 1)
     if n > 1:
@@ -148,6 +149,6 @@ class MoE(nn.Module):
     weight = jnp.where(kept, gate, 0.0)[..., None]
     y = jnp.sum(yk.astype(jnp.float32) * weight, axis=2)
 
-    share = jnp.mean(jnp.sum(jax.nn.one_hot(expert, e, dtype=jnp.float32), axis=2), axis=1) / k
+    share = jnp.mean(jnp.sum(choice, axis=2).astype(jnp.float32), axis=1) / k
     balance = e * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)  # [b]
     return y.astype(x.dtype), m.aux_loss_coeff * jnp.mean(balance)

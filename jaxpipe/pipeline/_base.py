@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe.pipeline import _vocab
-from jaxpipe.pipeline._engine import DATA, STAGE, StageFns
+from jaxpipe.pipeline._engine import DATA, STAGE, StageFns, _no_experts
 from jaxpipe.pipeline._timetable import min_microbatches
 
 Tree = Any
@@ -268,9 +268,7 @@ class Schedule:
     return jax.tree.map(check, axes, blocks, is_leaf=lambda a: a is None)
 
   def _split_experts(self, blocks: Tree) -> Tree:
-    if not self.expert_parallel:
-      return jax.tree.map(lambda _: None, blocks)
-    return self.fns.expert_axes(blocks)
+    return (self.fns.expert_axes if self.expert_parallel else _no_experts)(blocks)
 
   def _check_shared(self, shared: Tree) -> None:
     axes = jax.tree.structure(self.fns.vocab_axes, is_leaf=lambda a: a is None)
