@@ -325,3 +325,80 @@ def test_moe_export_and_bad_runs_are_refused(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "has no complete checkpoint" in err and err.count("\n") == 1
   assert not os.path.exists(out)
+
+
+def _checksums(root):
+  """{relative path: sha256} of every file below `root`."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  out = {}
+  for folder, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(folder, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def test_export_never_deletes_what_it_did_not_write(tmp_path, cache, capsys):
+  """--out is never the run or a folder holding it; --overwrite replaces only an earlier export."""
+  run_dir = str(tmp_path / "runs" / "run")
+  _train(run_dir, cache, "run.steps=2", "checkpoint.every=1", "pipeline.schedule=none",
+         "pipeline.stages=1")
+  before = _checksums(run_dir)
+  assert any(k.startswith("checkpoints") for k in before) and "metrics.jsonl" in before
+
+  def refused(out, *flags, needle):
+    assert export_hf.main(["--run", run_dir, "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+    assert {k: v for k, v in _checksums(run_dir).items() if not k.startswith("hf")} == before
+
+  for flags in ([], ["--overwrite"]):
+    refused(run_dir, *flags, needle="is the run directory")
+    refused(tmp_path / "runs", *flags, needle="holds the run directory")
+    refused(tmp_path, *flags, needle="holds the run directory")
+    refused(os.path.join(run_dir, "checkpoints", "hf"), *flags, needle="inside the run's checkpoints")
+  # Another run's directory, and a folder of the user's, are never replaced.
+  other = tmp_path / "other-run"
+  other.mkdir()
+  (other / "config.yaml").write_text("run: {steps: 1}\n")
+  (other / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+  refused(other, "--overwrite", needle="is a training run's directory")
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("keep me")
+  refused(mine, needle="pass --overwrite to replace an earlier export")
+  refused(mine, "--overwrite", needle="is not an earlier export (no jaxpipe_export.json; it "
+                                      "holds notes.txt)")
+  assert (mine / "notes.txt").read_text() == "keep me"
+  assert sorted(os.listdir(other)) == ["config.yaml", "metrics.jsonl"]
+
+  # A new folder inside the run is fine, and its marker lists what was written.
+  out = os.path.join(run_dir, "hf")
+  assert export_hf.main(["--run", run_dir, "--out", out, "--step", "1"]) == 0
+  capsys.readouterr()
+  after = _checksums(run_dir)
+  assert {k: v for k, v in after.items() if k in before} == before
+  assert all(k.startswith("hf" + os.sep) for k in after if k not in before)
+  with open(os.path.join(out, export_hf.MARKER)) as f:
+    marker = json.load(f)
+  assert marker["step"] == 1 and marker["run"] == os.path.abspath(run_dir)
+  assert sorted(marker["files"] + [export_hf.MARKER]) == sorted(os.listdir(out))
+  assert "model.safetensors" in marker["files"]
+  refused(out, needle="pass --overwrite")
+  # --overwrite replaces that export...
+  assert export_hf.main(["--run", run_dir, "--out", out, "--step", "2", "--overwrite"]) == 0
+  with open(os.path.join(out, export_hf.MARKER)) as f:
+    assert json.load(f)["step"] == 2
+  # ...but not once something of the user's lies in it.
+  with open(os.path.join(out, "README.md"), "w") as f:
+    f.write("my notes")
+  exported = _checksums(out)
+  refused(out, "--overwrite", needle="holds files export did not write (README.md)")
+  assert _checksums(out) == exported
+  # A damaged or foreign marker makes no export of a folder either.
+  os.remove(os.path.join(out, "README.md"))
+  with open(os.path.join(out, export_hf.MARKER), "w") as f:
+    f.write("{\"format\": \"something else\", \"files\": []}")
+  refused(out, "--overwrite", needle="is not an earlier export")
+  assert sorted(os.listdir(tmp_path)) == ["mine", "other-run", "runs"]
