@@ -10,6 +10,8 @@ of those does lives here:
 - `NonFinitePolicy`: `run.nan_policy` (stop on, or skip, a non-finite update).
 - `Evaluation`: the validation batches and when to run them.
 - `CheckpointPolicy`: when to save, and never the same step twice.
+- `Feed`: the next batch placed on the devices while the current step runs.
+- `host_schedule`: the learning rate of every step, read on the host.
 - `Report`: reads each step's metrics (one step behind the dispatch), times
   it, records it, moves the progress bar, and keeps the run's summary.
 """
@@ -30,7 +32,7 @@ import numpy as np
 from jaxpipe import config as config_lib
 
 __all__ = ["Metrics", "Profile", "Signals", "NonFinitePolicy", "Evaluation",
-           "CheckpointPolicy", "Report", "say", "kill_at"]
+           "CheckpointPolicy", "Feed", "host_schedule", "Report", "say", "kill_at"]
 
 
 def say(msg: str) -> None:
@@ -282,6 +284,70 @@ class CheckpointPolicy:
       self.ckpt.wait()
 
 
+class Feed:
+  """Batches for the loop, each placed on the devices one step ahead of its use.
+
+  `take()` returns batch k (already on the devices) and `advance()`, called
+  once step k is queued, draws batch k+1 from the iterator and places it, so
+  that the host prepares and transfers the next batch while the devices run
+  the current step, and the next dispatch waits for nothing. `data_state()`
+  is the iterator's position after the last batch taken, what a checkpoint
+  of the steps done so far must resume from (the batch drawn ahead is not
+  consumed yet).
+  """
+
+  def __init__(self, it: Any, place: Callable[[np.ndarray], Any],
+               edit: Optional[Callable[[int, dict], dict]] = None, start: int = 0):
+    """Args:
+      it: the data iterator (`next`, `get_state`).
+      place: host array -> global device array.
+      edit: (step, host batch) -> batch, applied before placing (run.debug_nan_step).
+      start: the step of the first batch the iterator yields.
+    """
+    self.it, self.place, self.edit = it, place, edit
+    self.step = start
+    self._state = it.get_state()
+    self._next = None
+
+  def _draw(self) -> tuple[Any, Any, Any]:
+    batch = next(self.it)
+    if self.edit is not None:
+      batch = self.edit(self.step, batch)
+    return self.place(batch["tokens"]), self.place(batch["targets"]), self.it.get_state()
+
+  def take(self) -> tuple[Any, Any]:
+    """(tokens, targets) of the next step, on the devices."""
+    tokens, targets, state = self._next if self._next is not None else self._draw()
+    self._next = None
+    self._state = state
+    self.step += 1
+    return tokens, targets
+
+  def advance(self) -> None:
+    """Draws and places the following batch (call once the current step is queued)."""
+    if self._next is None:
+      self._next = self._draw()
+
+  def data_state(self) -> Any:
+    """The iterator's position after the last batch `take` returned."""
+    return self._state
+
+
+def host_schedule(schedule: Callable[[Any], Any], steps: int) -> Callable[[int], float]:
+  """The learning rate of steps 0..steps as a host function (a NumPy table).
+
+  Evaluated once, before training: reading a jitted schedule per record would
+  queue a small program on a device behind the step just dispatched, and the
+  host would wait for that step to finish before it dispatches the next.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  table = np.asarray(jax.jit(jax.vmap(schedule))(jnp.arange(steps + 1)), np.float64)
+
+  def at(k: int) -> float:
+    return float(table[min(max(int(k), 0), steps)])
+  return at
+
+
 class Report:
   """Each step's record: timing, metrics.jsonl, the progress bar and the run's summary.
 
@@ -289,7 +355,7 @@ class Report:
   host reads them only then, so reading never stalls the device queue.
   """
 
-  def __init__(self, cfg: Any, lr_schedule: Callable[[int], Any], start: int, lag: int,
+  def __init__(self, cfg: Any, lr_schedule: Callable[[int], float], start: int, lag: int,
                is_main: bool, policy: NonFinitePolicy, peak: Optional[float] = None,
                kill: Optional[tuple[str, int]] = None):
     self.cfg, self.lr_schedule, self.start, self.policy, self.kill = (
@@ -334,7 +400,7 @@ class Report:
     """Writes batch k's training record."""
     # The rate comes out of float32 arithmetic: print its 7 significant digits.
     seconds = self.step_times.pop(k, None)
-    rec = {"step": k, "loss": loss, "lr": float(f"{float(self.lr_schedule(k)):.7g}"),
+    rec = {"step": k, "loss": loss, "lr": float(f"{self.lr_schedule(k):.7g}"),
            "tokens": (k + 1) * self.tokens_per_step, "step_time_s": seconds,
            **self.speed(seconds)}
     rec.update(extra)

@@ -54,7 +54,7 @@ class Run:
   model: model_lib.Model
   fns: StageFns
   optimizer: Any
-  lr_schedule: Callable[[int], Any]
+  lr_schedule: Callable[[Any], Any]
   mesh: jax.sharding.Mesh
   schedule: Schedule
 
@@ -117,7 +117,7 @@ def build(cfg: Config, devices=None) -> Run:
   data = open_data(cfg)
   cfg = resolve_model(cfg, data)
   model, fns, optimizer = components(cfg)
-  lr_schedule = jax.jit(optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps))
+  lr_schedule = optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps)
   p = cfg.pipeline
   devices = jax.devices() if devices is None else devices
   launch.check_devices(cfg, devices)
@@ -407,11 +407,19 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   start, state, it = begun.start, begun.state, begun.it
   evaluate = _evaluation(run, begun)
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
-  report = _loop.Report(cfg, run.lr_schedule, start, schedule.loss_lag,
-                        jax.process_index() == 0, policy, peak_tflops(cfg), kill)
+  report = _loop.Report(cfg, _loop.host_schedule(run.lr_schedule, steps), start,
+                        schedule.loss_lag, jax.process_index() == 0, policy, peak_tflops(cfg),
+                        kill)
+
+  def poison(step: int, batch: dict) -> dict:
+    if step == cfg.run.debug_nan_step:
+      return {**batch, "targets": np.full_like(batch["targets"], -1)}
+    return batch
+
+  feed = _loop.Feed(it, begun.to_global, poison, start)
   saves = _loop.CheckpointPolicy(
       ckpt, cfg.checkpoint.every, steps, begun.latest, kill=kill,
-      payload=lambda k: (state, it.get_state(), _meta(cfg, k)))
+      payload=lambda k: (state, feed.data_state(), _meta(cfg, k)))
   if start == 0 and evaluate.batches:
     report.summary["first_val_loss"] = evaluate(state)
     report.validation(0, report.summary["first_val_loss"])
@@ -429,14 +437,14 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   with _loop.Signals() as signals:
     try:
       for step in range(start, steps):
-        batch = next(it)  # the host prepares batch k while the devices run step k-1
-        if step == cfg.run.debug_nan_step:
-          batch["targets"] = np.full_like(batch["targets"], -1)
+        tokens, targets = feed.take()  # placed on the devices while step k-1 ran
         report.profile.before(step)
         t0 = time.time()
-        state, met = schedule.step(state, begun.to_global(batch["tokens"]),
-                                   begun.to_global(batch["targets"]), policy.go)
+        state, met = schedule.step(state, tokens, targets, policy.go)
         policy.dispatched(met)
+        if step + 1 < steps:
+          feed.advance()  # batch k+1, drawn and placed while the devices run step k
+        # Only now does the host wait, for step k-1's metrics: step k is queued.
         previous, pending = pending, (step, met, t0)
         if previous is not None and not report.settle(*previous):
           stop_nonfinite()

@@ -104,3 +104,55 @@ def test_metrics_of_a_resumed_run_drop_what_it_will_redo(tmp_path):
   assert [r["step"] for r in kept if "val_loss" in r] == [0, 4] and log.val_steps == {0, 4}
   _loop.Metrics(str(tmp_path), start_step=0, lag=0, enabled=True).close()
   assert path.read_text() == ""               # a run that starts over rewrites everything
+
+
+def test_the_loop_queues_step_k_plus_1_before_it_waits_for_step_k(tmp_path, monkeypatch):
+  """No device work on the host's path: step k+1 is dispatched before anything reads step k.
+
+  Each step's loss is gated by a callback that opens only once the next step
+  has been dispatched. A loop that read step k (its metrics, or a device
+  computation queued behind it, like a jitted learning rate) before
+  dispatching step k+1 would wait for a gate that never opens.
+  """
+  import functools  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jaxpipe import config, trainer  # pylint: disable=g-import-not-at-top
+  from tests import _runs  # pylint: disable=g-import-not-at-top
+  steps = 5
+  cfg = config.load(_runs.TINY, [f"run.dir={tmp_path / 'run'}", f"run.steps={steps}",
+                                 f"data.cache_dir={tmp_path / 'cache'}", "eval.batches=0",
+                                 "pipeline.microbatches=1"])
+  gates = [threading.Event() for _ in range(steps)]
+  timed_out = []
+  events = []
+
+  def wait_for(k, x):
+    if not gates[k].wait(timeout=60):
+      timed_out.append(k)
+    events.append(("read", k))
+    return x
+
+  real_step = trainer.Schedule.step
+
+  def step(self, state, tokens, targets, go=None):
+    k = len([e for e in events if e[0] == "dispatch"])
+    state, met = real_step(self, state, tokens, targets, go)
+    events.append(("dispatch", k))
+    if k:
+      gates[k - 1].set()  # step k is queued: step k-1 may be read now
+    if k < steps - 1:
+      gate = jax.jit(lambda x: jax.experimental.io_callback(
+          functools.partial(wait_for, k), jax.ShapeDtypeStruct((), x.dtype), x, ordered=False))
+      met = {**met, "loss": gate(met["loss"])}
+    return state, met
+
+  monkeypatch.setattr(trainer.Schedule, "step", step)
+  summary = trainer.train(cfg)
+  assert not timed_out, f"the loop waited for step(s) {timed_out} before queueing the next"
+  order = [e for e in events if e[0] in ("dispatch", "read")]
+  for k in range(steps - 1):
+    assert order.index(("dispatch", k + 1)) < order.index(("read", k)), order
+  assert summary["exit_code"] == 0 and summary["train_loss_step"] == steps - 1
