@@ -15,7 +15,7 @@ from jaxpipe.pipeline._timetable import (PIPELINED, SCHEDULE_NAMES, Cell, Facts,
 
 _LAZY = {
     "StageFns": "_engine", "Engine": "_engine", "STASH_CHOICES": "_engine",
-    "expert_exchange": "_engine",
+    "expert_exchange": "_engine", "PHASE": "_engine",
     "Schedule": "_schedules", "SyncState": "_schedules", "PipeDreamState": "_schedules",
     "TwoBWState": "_schedules", "InFlight": "_schedules", "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe.pipeline import _vocab
-from jaxpipe.pipeline._engine import DATA, STAGE, StageFns, _no_experts
+from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, _no_experts
 from jaxpipe.pipeline._timetable import min_microbatches
 
 Tree = Any
@@ -379,7 +379,8 @@ class Schedule:
       updates, new_state = self.opt.update(pin(grads), opt_state, params)
       return optax.apply_updates(params, pin(updates)), new_state
 
-    params, opt_state = lax.cond(allowed & finite, apply, lambda _: (params, opt_state), None)
+    with jax.named_scope(PHASE["optimizer"]):
+      params, opt_state = lax.cond(allowed & finite, apply, lambda _: (params, opt_state), None)
     return params, opt_state, finite
 
   def _grad_metrics(self, grads, loss, loss_step, finite):

@@ -49,11 +49,17 @@ from jaxpipe.pipeline._timetable import StepPlan, TickKind
 
 Tree = Any
 
-__all__ = ["StageFns", "TickCarry", "Engine", "STASH_CHOICES", "make_varying", "varying_axes",
-           "residual_shapes", "expert_exchange"]
+__all__ = ["StageFns", "TickCarry", "Engine", "STASH_CHOICES", "PHASE", "make_varying",
+           "varying_axes", "residual_shapes", "expert_exchange"]
 
 STAGE, DATA = "stage", "data"
 AXES = (STAGE, DATA)
+# The phases of a tick, each traced under its own `jax.named_scope`, so that a
+# profile (XLA's CPU trace, Nsight Systems, XProf) names the work of every
+# operation; `jaxpipe.account` reads them back. The schedules add the
+# once-per-step gradient reduction and the optimizer update.
+PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "embed_grad", "send",
+                                    "grad_reduce", "optimizer")}
 STASH_CHOICES = ("inputs", "residuals")
 # Plan arrays with one entry per (tick, stage), fed to the tick loops.
 _ROWS = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot")
@@ -356,10 +362,17 @@ class Engine:
     work is then guarded by a cond, so that an empty slot computes nothing.
     """
     stash, send_f, send_b, accs, losses = self._work(kind, ctx, c, row, gaps)
-    fwd_buf, bwd_buf = c.fwd_buf, c.bwd_buf
     if self.solo_stage is not None:
-      fwd_buf, bwd_buf = send_f, send_b
-    elif self.num_stages == 2 and kind.fwd and kind.bwd:
+      return TickCarry(send_f, send_b, stash, accs, losses)
+    with jax.named_scope(PHASE["send"]):
+      fwd_buf, bwd_buf = self._exchange(kind, ctx, c, send_f, send_b)
+    return TickCarry(fwd_buf, bwd_buf, stash, accs, losses)
+
+  def _exchange(self, kind: TickKind, ctx: _Ctx, c: TickCarry, send_f: jax.Array,
+                send_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The tick's transfers: (activation from stage s-1, cotangent from stage s+1)."""
+    fwd_buf, bwd_buf = c.fwd_buf, c.bwd_buf
+    if self.num_stages == 2 and kind.fwd and kind.bwd:
       # Two stages: stage 0 sends its output up while stage 1 sends its input
       # cotangent down, one exchange. Each keeps the half it reads (stage 1
       # its forward input, stage 0 its backward cotangent); the other half is
@@ -372,7 +385,7 @@ class Engine:
         fwd_buf = lax.ppermute(send_f, STAGE, to_next)
       if kind.bwd:
         bwd_buf = lax.ppermute(send_b, STAGE, to_prev)
-    return TickCarry(fwd_buf, bwd_buf, stash, accs, losses)
+    return fwd_buf, bwd_buf
 
   def _stage_index(self) -> jax.Array:
     if self.solo_stage is not None:
@@ -433,9 +446,10 @@ class Engine:
       f_ok = self._valid(ctx, f)
       x_in = c.fwd_buf
       if kind.embed_version is not None:
-        f0 = row["fwd"][0]
-        x0 = self._embed(ctx, ctx.shared[kind.embed_version], ctx.tokens[jnp.maximum(f0, 0)])
-        x_in = jnp.where(ctx.is_first, x0.astype(x_in.dtype), x_in)
+        with jax.named_scope(PHASE["embed"]):
+          f0 = row["fwd"][0]
+          x0 = self._embed(ctx, ctx.shared[kind.embed_version], ctx.tokens[jnp.maximum(f0, 0)])
+          x_in = jnp.where(ctx.is_first, x0.astype(x_in.dtype), x_in)
       x_in = jnp.where(f_ok, x_in, zeros(x_in))
 
       def forward(blocks):
@@ -450,32 +464,35 @@ class Engine:
       # this stage's own validity (other stages may be busy this tick).
       compute = lambda: self._with_version(ctx.blocks, kind.fwd_version,
                                            row["fwd_version"][s], forward)
-      y, aux, entry = _only_if(f_ok, compute) if gaps[0] else compute()
+      with jax.named_scope(PHASE["forward"]):
+        y, aux, entry = _only_if(f_ok, compute) if gaps[0] else compute()
       entry = {**entry, "aux": aux}
       if kind.head_version is not None:
-        last = row["fwd"][self.num_stages - 1]
-        last_ok = self._valid(ctx, last)
-        # psum of the last stage's output (zeros elsewhere): a broadcast that
-        # also makes every stage's head wait for every stage's forward.
-        h = lax.psum(jnp.where(ctx.is_last, y, zeros(y)), STAGE)
-        loss_h, g_sh, g_head = self._head(ctx, ctx.shared[kind.head_version], h,
-                                          ctx.targets[jnp.maximum(last, 0)])
-        a = kind.head_acc
-        accs[a] = (accs[a][0], jax.tree.map(
-            lambda acc, g: acc + jnp.where(last_ok, g, zeros(g)).astype(acc.dtype),
-            accs[a][1], g_sh))
-        losses = losses.at[a].add(jnp.where(last_ok & ctx.is_last, loss_h, 0.0))
-        if plan.head_stash:
-          entry["dh"] = make_varying(g_head).astype(x_in.dtype)
+        with jax.named_scope(PHASE["head"]):
+          last = row["fwd"][self.num_stages - 1]
+          last_ok = self._valid(ctx, last)
+          # psum of the last stage's output (zeros elsewhere): a broadcast that
+          # also makes every stage's head wait for every stage's forward.
+          h = lax.psum(jnp.where(ctx.is_last, y, zeros(y)), STAGE)
+          loss_h, g_sh, g_head = self._head(ctx, ctx.shared[kind.head_version], h,
+                                            ctx.targets[jnp.maximum(last, 0)])
+          a = kind.head_acc
+          accs[a] = (accs[a][0], jax.tree.map(
+              lambda acc, g: acc + jnp.where(last_ok, g, zeros(g)).astype(acc.dtype),
+              accs[a][1], g_sh))
+          losses = losses.at[a].add(jnp.where(last_ok & ctx.is_last, loss_h, 0.0))
+          if plan.head_stash:
+            entry["dh"] = make_varying(g_head).astype(x_in.dtype)
       if plan.head_stash and "dh" not in entry:
         entry["dh"] = zeros(x_in)
       # Written before the backward reads: on the last stage the backward is
       # this very microbatch. Outside any cond: XLA copies a buffer that a
       # conditional reads and the loop body then writes.
-      slot_f = self._slot(ctx, f, row["fwd_slot"][s])
-      stash = jax.tree.map(
-          lambda r, v: lax.dynamic_update_index_in_dim(r, v.astype(r.dtype), slot_f, 0),
-          stash, entry)
+      with jax.named_scope(PHASE["forward"]):
+        slot_f = self._slot(ctx, f, row["fwd_slot"][s])
+        stash = jax.tree.map(
+            lambda r, v: lax.dynamic_update_index_in_dim(r, v.astype(r.dtype), slot_f, 0),
+            stash, entry)
       send_f = jnp.where(f_ok, y, zeros(y)).astype(c.fwd_buf.dtype)
 
     if kind.bwd:
@@ -517,29 +534,31 @@ class Engine:
 
       # As for the forward: an empty slot runs no backward and adds nothing
       # (the accumulators are updated inside the branch, in place).
-      if gaps[1]:
-        block_accs, g_x, aux_b = lax.cond(
-            b_ok, backward_and_add,
-            lambda: (block_accs, zeros(c.bwd_buf), make_varying(jnp.zeros((), jnp.float32))))
-      else:  # every slot is filled, but for the previous batch's in 2bw's first step
-        block_accs, g_x, aux_b = backward_and_add(b_ok)
+      with jax.named_scope(PHASE["backward"]):
+        if gaps[1]:
+          block_accs, g_x, aux_b = lax.cond(
+              b_ok, backward_and_add,
+              lambda: (block_accs, zeros(c.bwd_buf), make_varying(jnp.zeros((), jnp.float32))))
+        else:  # every slot is filled, but for the previous batch's in 2bw's first step
+          block_accs, g_x, aux_b = backward_and_add(b_ok)
       for a, acc in zip(targets, block_accs):
         accs[a] = (acc, accs[a][1])
         mine = b_ok if kind.bwd_version is not None else b_ok & (row["acc"][s] == a)
         losses = losses.at[a].add(jnp.where(mine, aux_b, 0.0))
       if kind.embed_acc is not None:
-        b0 = row["bwd"][0]
-        g0 = lax.psum(jnp.where(ctx.is_first & b_ok, g_x, zeros(g_x)), STAGE)
-        sh = ctx.shared[kind.embed_grad_version]
-        rows = self._local_vocab(sh)
-        tok = ctx.tokens[jnp.maximum(b0, 0)]
-        _, pull_e = jax.vjp(lambda t: _vocab.masked_lookup(fns.embed, t, tok, ctx.offset, rows), sh)
-        (g_e,) = pull_e(make_varying(g0).astype(g_x.dtype))
-        a = kind.embed_acc
-        # No mask here: g0 is zero for an empty slot, and `acc + scatter(0)`
-        # is what XLA turns into a scatter-add into the accumulator.
-        accs[a] = (accs[a][0], jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype),
-                                            accs[a][1], g_e))
+        with jax.named_scope(PHASE["embed_grad"]):
+          b0 = row["bwd"][0]
+          g0 = lax.psum(jnp.where(ctx.is_first & b_ok, g_x, zeros(g_x)), STAGE)
+          sh = ctx.shared[kind.embed_grad_version]
+          rows = self._local_vocab(sh)
+          tok = ctx.tokens[jnp.maximum(b0, 0)]
+          _, pull_e = jax.vjp(lambda t: _vocab.masked_lookup(fns.embed, t, tok, ctx.offset, rows), sh)
+          (g_e,) = pull_e(make_varying(g0).astype(g_x.dtype))
+          a = kind.embed_acc
+          # No mask here: g0 is zero for an empty slot, and `acc + scatter(0)`
+          # is what XLA turns into a scatter-add into the accumulator.
+          accs[a] = (accs[a][0], jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype),
+                                              accs[a][1], g_e))
       send_b = g_x
     return stash, send_f, send_b, tuple(accs), losses
 

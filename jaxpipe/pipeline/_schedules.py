@@ -36,7 +36,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpipe.pipeline._base import (  # pylint: disable=unused-import
     InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, _acc_dtype, _local,
     _per_device, _pick, make_mesh, merge_params, split_params)
-from jaxpipe.pipeline._engine import DATA, STAGE, Engine, StageFns, TickCarry
+from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry
 from jaxpipe.pipeline._timetable import SCHEDULE_NAMES, step_plan
 
 __all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight",
@@ -121,6 +121,10 @@ class _Pipelined(Schedule):
     An expert slice's gradient is whole on the replica that holds it: the
     backward of the token exchange brought every replica's share there.
     """
+    with jax.named_scope(PHASE["grad_reduce"]):
+      return self._reduce_sums(g_blocks, g_shared, loss)
+
+  def _reduce_sums(self, g_blocks, g_shared, loss):
     n = self.num_microbatches * self.num_data
     g_blocks = jax.tree.map(lambda a, g: (g if a is not None else lax.psum(g, DATA)) / n,
                             self._split_experts(g_blocks), g_blocks,

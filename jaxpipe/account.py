@@ -1,0 +1,254 @@
+"""Where a step's time goes: a `jax.profiler` trace of training steps, accounted per device.
+
+`profile_steps` runs a jitted step function a few times under
+`jax.profiler` (with a Perfetto trace) and `account` reads the trace back.
+Every operation XLA ran is an event with the device it ran for and its HLO
+instruction's name; the compiled program's HLO text maps each instruction to
+its opcode and to the `jax.named_scope` it was traced under, and the engine
+traces each phase of a tick under its own scope (`jaxpipe.pipeline.PHASE`:
+embedding, forward, head, backward, embedding gradient, sends, the
+once-per-step gradient reduction and the optimizer update). So each
+microsecond of each device in a step falls in exactly one of:
+
+- `<phase>`: an operation of that phase computing;
+- `<phase> collective`: a collective of that phase (all-reduce, all-gather,
+  collective-permute, all-to-all, reduce-scatter) moving data, and
+  `<phase> wait`: the part of it spent waiting for the other devices to
+  arrive (XLA's rendezvous);
+- `idle`: inside the step, no operation of this device running (the
+  runtime between operations, a thread not scheduled);
+- `host gap`: between the end of the previous step on every device and the
+  first operation of this one (the host preparing and dispatching it).
+
+The parts of a device add up to the interval between two steps'
+completions, the same interval the trainer reports as `step_time_s`;
+`account` also returns that interval as the host measured it, so a reader
+can check the trace against the wall clock.
+
+Written by hand: no library reads XLA's CPU trace by phase. The trace format
+is the Chrome/Perfetto JSON that `jax.profiler.start_trace(...,
+create_perfetto_trace=True)` writes; each operation event carries
+`args.device_ordinal` and `args.hlo_op` (XLA's thunk executor on the CPU;
+GPU traces name kernels instead, which this module does not read).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import time
+from typing import Any, Callable, Iterable, Optional
+
+__all__ = ["COLLECTIVES", "hlo_ops", "read_trace", "account", "profile_steps", "summarise"]
+
+COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
+# Control flow: its events span the operations inside it, which are counted instead.
+_CONTAINERS = ("while", "conditional", "call")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?(?<![\w.\-])([a-z][a-z0-9\-]*)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PHASE = re.compile(r"pipe_([a-z_]+)")
+
+
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """{instruction name: (opcode, phase)} of a compiled module's HLO text.
+
+  The phase is the innermost `pipe_<phase>` named scope in the instruction's
+  metadata, or 'other' where it has none.
+  """
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, opcode = m.groups()
+    meta = _OP_NAME.search(line)
+    phases = _PHASE.findall(meta.group(1)) if meta else []
+    out[name] = (opcode, phases[-1] if phases else "other")
+  return out
+
+
+def _base_opcode(opcode: str) -> str:
+  for suffix in ("-start", "-done"):
+    if opcode.endswith(suffix):
+      return opcode[:-len(suffix)]
+  return opcode
+
+
+def read_trace(trace_dir: str) -> list[dict[str, Any]]:
+  """The complete ('X') events of the newest Perfetto trace under `trace_dir`."""
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                           recursive=True), key=os.path.getmtime)
+  if not files:
+    raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+  with gzip.open(files[-1], "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  return [e for e in events if e.get("ph") == "X"]
+
+
+def _waits(events: list[dict[str, Any]]) -> dict[Any, list[tuple[float, float]]]:
+  """Per thread, the intervals its rendezvous spent waiting for the other devices."""
+  out: dict[Any, list[tuple[float, float]]] = collections.defaultdict(list)
+  for e in events:
+    if e["name"].startswith("Wait"):
+      out[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+  for v in out.values():
+    v.sort()
+  return out
+
+
+def _overlap(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+  total = 0.0
+  for a, b in intervals:
+    if a >= hi:
+      break
+    total += max(0.0, min(b, hi) - max(a, lo))
+  return total
+
+
+def _device_timeline(ops: list[dict[str, Any]], info: dict[str, tuple[str, str]],
+                     waits) -> list[tuple[float, float, str]]:
+  """A device's time as (start, end, part) pieces, the innermost operation winning.
+
+  Operations of one device may nest (a loop's body inside the loop) or, where
+  the runtime runs independent operations at once, overlap; each instant goes
+  to the operation that started last among those running.
+  """
+  ops = sorted(ops, key=lambda e: (e["ts"], -e["dur"]))
+  edges = sorted({e["ts"] for e in ops} | {e["ts"] + e["dur"] for e in ops})
+  pieces = []
+  active: list[dict[str, Any]] = []
+  i = 0
+  for lo, hi in zip(edges, edges[1:]):
+    while i < len(ops) and ops[i]["ts"] <= lo:
+      active.append(ops[i])
+      i += 1
+    active = [e for e in active if e["ts"] + e["dur"] > lo]
+    if not active:
+      continue
+    e = active[-1]
+    opcode, phase = info.get(e["args"]["hlo_op"], ("?", "other"))
+    if _base_opcode(opcode) in COLLECTIVES:
+      wait = _overlap(waits.get(e["tid"], []), lo, hi)
+      if wait > 0:
+        pieces.append((lo, lo + wait, f"{phase} wait"))
+      if hi - lo - wait > 0:
+        pieces.append((lo + wait, hi, f"{phase} collective"))
+    else:
+      pieces.append((lo, hi, phase))
+  return pieces
+
+
+def account(events: list[dict[str, Any]], hlo_text: str,
+            completions: Optional[list[float]] = None) -> dict[str, Any]:
+  """Each step's time per device and part, from a trace of consecutive steps.
+
+  Args:
+    events: the trace's complete events (`read_trace`).
+    hlo_text: the compiled step's HLO (`compiled.as_text()`), which names
+      each operation's opcode and phase.
+    completions: the host's clock (seconds) when each traced step's results
+      were ready, for the measured interval beside the trace's.
+
+  Returns:
+    {"steps": [{"span_us": ..., "host_gap_us": ..., "interval_us": ...,
+    "measured_us": ..., "devices": {ordinal: {part: microseconds}}}], ...}:
+    one entry per step after the first traced one (whose gap to its
+    predecessor is unknown). A device's parts add up to interval_us =
+    host_gap_us + span_us.
+  """
+  info = hlo_ops(hlo_text)
+  waits = _waits(events)
+  runs: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+  for e in events:
+    args = e.get("args") or {}
+    if "device_ordinal" in args and "hlo_op" in args and "run_id" in args:
+      if info.get(args["hlo_op"], ("", ""))[0] in _CONTAINERS:
+        continue
+      runs[args["run_id"]].append(e)
+  order = sorted(runs, key=lambda r: min(e["ts"] for e in runs[r]))
+  steps, prev_end = [], None
+  for n, run in enumerate(order):
+    ops = runs[run]
+    start = min(e["ts"] for e in ops)
+    end = max(e["ts"] + e["dur"] for e in ops)
+    if prev_end is not None:
+      by_device: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+      for e in ops:
+        by_device[int(e["args"]["device_ordinal"])].append(e)
+      devices = {}
+      for d, dev_ops in sorted(by_device.items()):
+        parts: dict[str, float] = collections.Counter()
+        busy = 0.0
+        for lo, hi, part in _device_timeline(dev_ops, info, waits):
+          parts[part] += hi - lo
+          busy += hi - lo
+        parts["idle"] += (end - start) - busy
+        parts["host gap"] += start - prev_end
+        devices[d] = dict(parts)
+      step = {"span_us": end - start, "host_gap_us": start - prev_end,
+              "interval_us": end - prev_end, "devices": devices}
+      if completions is not None and n < len(completions):
+        step["measured_us"] = (completions[n] - completions[n - 1]) * 1e6
+      steps.append(step)
+    prev_end = end
+  return {"steps": steps}
+
+
+def summarise(result: dict[str, Any]) -> dict[str, Any]:
+  """Medians over steps: {device: {part: us}}, and the step's interval, span and gap."""
+  steps = result["steps"]
+  med = lambda xs: statistics.median(xs) if xs else float("nan")
+  devices = sorted({d for s in steps for d in s["devices"]})
+  parts = sorted({p for s in steps for d in s["devices"].values() for p in d})
+  return {
+      "interval_us": med([s["interval_us"] for s in steps]),
+      "measured_us": med([s["measured_us"] for s in steps if "measured_us" in s]),
+      "span_us": med([s["span_us"] for s in steps]),
+      "host_gap_us": med([s["host_gap_us"] for s in steps]),
+      "devices": {d: {p: med([s["devices"].get(d, {}).get(p, 0.0) for s in steps])
+                      for p in parts} for d in devices},
+  }
+
+
+def profile_steps(step: Callable[[], Any], ready: Callable[[Any], Any], num_steps: int,
+                  trace_dir: str) -> list[float]:
+  """Runs `step()` num_steps times under a trace, as a training loop does; returns completions.
+
+  Each step is dispatched before the previous one's result is waited for
+  (`ready(result)` blocks until a step's outputs exist), so the devices see
+  steps back to back, as in `jaxpipe.trainer`. Returns the host clock
+  (time.perf_counter) at each step's completion.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+  try:
+    done, pending = [], None
+    for _ in range(num_steps):
+      out = step()
+      if pending is not None:
+        ready(pending)
+        done.append(time.perf_counter())
+      pending = out
+    ready(pending)
+    done.append(time.perf_counter())
+  finally:
+    jax.profiler.stop_trace()
+  return done
+
+
+def parts_in_order(parts: Iterable[str]) -> list[str]:
+  """The parts of an account in reading order: phases of a tick, then the rest."""
+  from jaxpipe.pipeline import PHASE  # pylint: disable=g-import-not-at-top
+  phases = list(PHASE) + ["other"]
+  rank = {}
+  for i, p in enumerate(phases):
+    for j, suffix in enumerate(("", " collective", " wait")):
+      rank[f"{p}{suffix}"] = 3 * i + j
+  rank["idle"], rank["host gap"] = 1000, 1001
+  return sorted(parts, key=lambda p: rank.get(p, 999))
