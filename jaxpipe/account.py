@@ -57,8 +57,9 @@ _PHASE = re.compile(r"pipe_([a-z_]+)")
 def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
   """{instruction name: (opcode, phase)} of a compiled module's HLO text.
 
-  The phase is the innermost `pipe_<phase>` named scope in the instruction's
-  metadata, or 'other' where it has none.
+  The phase is the outermost `pipe_<phase>` named scope in the instruction's
+  metadata (a backward's operations carry the forward's scopes inside their
+  `transpose(...)`), or 'other' where it has none.
   """
   out = {}
   for line in hlo_text.splitlines():
@@ -68,7 +69,7 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
     name, opcode = m.groups()
     meta = _OP_NAME.search(line)
     phases = _PHASE.findall(meta.group(1)) if meta else []
-    out[name] = (opcode, phases[-1] if phases else "other")
+    out[name] = (opcode, phases[0] if phases else "other")
   return out
 
 

@@ -53,7 +53,8 @@ RESUMABLE_KEYS = frozenset({
 
 # Keys that change the mesh: a resumed run may change them where its schedule
 # can carry its state over (`Schedule.check_relayout`); the global batch stays.
-LAYOUT_KEYS = frozenset({"mesh.data", "pipeline.stages", "mesh.expert_parallel"})
+LAYOUT_KEYS = frozenset({"mesh.data", "pipeline.stages", "mesh.expert_parallel",
+                         "pipeline.head"})
 
 
 def path_key(path) -> str:

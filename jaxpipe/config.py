@@ -72,6 +72,22 @@ class PipelineConfig:
   # where 3 suffice) or `residuals` (what jax.vjp saves, as model.remat
   # decides: no recomputation, more memory per stash slot).
   stash: str = "inputs"
+  # Where the embedding and the output layer live in a pipelined schedule:
+  # `vocab_parallel` (split over the stages by vocabulary: every stage does
+  # 1/S of each lookup and head, at four collectives per tick), `last_stage`
+  # (whole on every stage; the first looks up, the last computes the head,
+  # nothing exchanged per tick; the last stage does the head's work on top of
+  # its blocks), or `auto`: last_stage when the head costs at most
+  # HEAD_ON_LAST_STAGE (5%) of a stage's block work, else vocab_parallel.
+  head: str = "auto"
+
+
+# `pipeline.head=auto` keeps the output layer on the last stage while it
+# adds at most this share to that stage's work per token: below it the
+# imbalance costs less than the vocabulary split's collectives
+# (docs/benchmark.md).
+HEAD_ON_LAST_STAGE = 0.05
+HEAD_CHOICES = ("auto", "vocab_parallel", "last_stage")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +349,24 @@ def experts_split(schedule: str, data: int, num_experts: int, expert_parallel: b
   return bool(expert_parallel and num_experts and data > 1 and schedule != "none")
 
 
+def vocab_parallel(model: ModelConfig, pipeline: PipelineConfig) -> bool:
+  """Whether a run splits its embedding and head over the stages (`pipeline.head`).
+
+  `auto` compares the head's matmul parameters (dim x vocab) with a stage's
+  blocks' (attention and MLP, L/S blocks): at most HEAD_ON_LAST_STAGE of
+  them puts the head on the last stage. `model.vocab_size` must be resolved.
+  """
+  if pipeline.head != "auto":
+    return pipeline.head == "vocab_parallel"
+  from jaxpipe.model import ffn_dim  # pylint: disable=g-import-not-at-top
+  head_dim = model.dim // model.n_heads
+  attn = model.dim * head_dim * (2 * model.n_heads + 2 * model.n_kv_heads)
+  hidden = model.moe.ffn_dim or ffn_dim(model) if model.moe.num_experts else ffn_dim(model)
+  mlp = 3 * model.dim * hidden * (model.moe.top_k if model.moe.num_experts else 1)
+  stage = model.n_layers / max(pipeline.stages, 1) * (attn + mlp)
+  return model.dim * model.vocab_size > HEAD_ON_LAST_STAGE * stage
+
+
 def validate(cfg: Config) -> None:
   """Checks values and the arithmetic between sections; raises ConfigError."""
   r, d, m, p, o = cfg.run, cfg.data, cfg.model, cfg.pipeline, cfg.optimizer
@@ -369,6 +403,8 @@ def validate(cfg: Config) -> None:
   _check(p.stages >= 1, f"pipeline.stages must be >= 1, got {p.stages}")
   _check(p.stash in ("inputs", "residuals"),
          f"pipeline.stash must be inputs or residuals, got '{p.stash}'")
+  _check(p.head in HEAD_CHOICES,
+         f"pipeline.head must be one of {', '.join(HEAD_CHOICES)}, got '{p.head}'")
   _check(p.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {p.microbatches}")
   _check(cfg.mesh.data >= 1, f"mesh.data must be >= 1, got {cfg.mesh.data}")
   if p.schedule == "none":

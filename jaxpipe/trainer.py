@@ -125,6 +125,7 @@ def build(cfg: Config, devices=None) -> Run:
   schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash,
                            shard_optimizer=cfg.mesh.shard_optimizer,
                            expert_parallel=cfg.mesh.expert_parallel,
+                           vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
                            predict=optim.predicted_params if cfg.optimizer.weight_prediction else None)
   return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
 
@@ -267,7 +268,15 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
                                        saved.get("mesh", {}).get("expert_parallel", False))
   split_new = config_lib.experts_split(cfg.pipeline.schedule, cfg.mesh.data,
                                        cfg.model.moe.num_experts, cfg.mesh.expert_parallel)
-  if (s_old, d_old, split_old) == (cfg.pipeline.stages, cfg.mesh.data, split_new):
+  # Where the embedding and head live changes their shapes (the vocabulary's
+  # padding) and 2bw's in-flight gradient slices; a checkpoint from before
+  # `pipeline.head` existed split them over the stages.
+  saved_head = saved.get("pipeline", {}).get("head", "vocab_parallel")
+  vp_old = config_lib.vocab_parallel(cfg.model, dataclasses.replace(
+      cfg.pipeline, stages=s_old, head=saved_head))
+  vp_new = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
+  if (s_old, d_old, split_old, vp_old) == (cfg.pipeline.stages, cfg.mesh.data, split_new,
+                                           vp_new):
     state, data_state, _ = ckpt.restore(step, state)
     return state, data_state
   shapes = ckpt.saved_shapes(step)
@@ -296,8 +305,10 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   if jax.process_index() == 0:
     experts = (f" (experts {'split over data' if split_new else 'on every replica'})"
                if split_old != split_new else "")
+    head = (f" (embedding and head {'split over the stages' if vp_new else 'whole'})"
+            if vp_old != vp_new else "")
     _say(f"resharded the checkpoint from {s_old} stage(s) x {d_old} data to "
-         f"{cfg.pipeline.stages} x {cfg.mesh.data}{experts}")
+         f"{cfg.pipeline.stages} x {cfg.mesh.data}{experts}{head}")
   return new_state, data_state
 
 

@@ -546,6 +546,43 @@ def test_2bw_step_collectives(stash):
   assert _stage_weight_gathers(hlo, s) == []
 
 
+def _tick_collectives(hlo):
+  """(collectives in the tick loops, all-reduce lines outside them) of a compiled step."""
+  comps, loop = util.computations(hlo), util.loop_computations(hlo)
+  in_loop = {line for name in loop for line in comps[name]}
+  inside = {op: [line for line in util.collectives(hlo, op) if line in in_loop]
+            for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")}
+  outside = [line for line in util.collectives(hlo, "all-reduce") if line not in in_loop]
+  return inside, outside
+
+
+def test_2bw_embeds_once_per_step_and_the_last_stage_head_needs_no_tick_collective():
+  """The embedding's lookup and gradient are one collective each per step, not per tick.
+
+  Vocabulary-parallel: inside the tick loop only the head's collectives
+  remain (activation-sized all-reduces, the softmax statistics' all-gather);
+  the embedded inputs and their cotangents of all M microbatches cross the
+  stages once each, outside the loop ([M, b, t, dim]). With the head on the
+  last stage nothing but the collective-permutes runs per tick.
+  """
+  # M = 4: a run of ticks of one kind long enough to stay a loop (XLA
+  # unrolls a loop of one iteration).
+  s, d, m = 2, 1, 4
+  dim, seq, rows = util.CONFIG.dim, util.SEQ, util.ROWS // d
+  split = run("2bw", s, d, m, "adamw", stash="residuals")
+  inside, outside = _tick_collectives(split.hlo)
+  assert inside["all-reduce"] and inside["all-gather"]
+  for line in inside["all-reduce"]:
+    assert set(util.result_shapes(line, "all-reduce")) <= {(rows, seq, dim)}, line[:200]
+  blocks = [line for line in outside if (m, rows, seq, dim) in util.result_shapes(line, "all-reduce")]
+  assert len(blocks) == 2, outside  # the lookup and the cotangents, once each
+
+  last = run("2bw", s, d, m, "adamw", stash="residuals", vocab_parallel=False)
+  inside, _ = _tick_collectives(last.hlo)
+  assert inside == {op: [] for op in inside}, inside
+  assert util.collectives(last.hlo, "collective-permute")
+
+
 def test_stage_weight_gathers_are_detected():
   """The check above fires on a program that replicates the stage-sharded blocks.
 

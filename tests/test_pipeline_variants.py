@@ -9,6 +9,8 @@ On an emulated 8-device CPU mesh (`conftest.py`), in float32 unless said:
 "Match" is `_pipeline_util.assert_runs_match` (as in test_pipeline.py).
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -110,6 +112,57 @@ def test_padded_vocabulary_matches_one_device(schedule, shape, stash):
   kernel = _leaf(got.state_params, "head/out/kernel")
   assert embedding.shape == (64, dim) and kernel.shape == (dim, 64)
   assert not embedding[v:].any() and not kernel[:, v:].any()
+
+
+# --- where the embedding and the head live ------------------------------------
+
+# (schedule, (S, D, M), stash, model): pipeline.head=last_stage, the embedding
+# and head whole on every stage, used on the first and last. Untied and tied,
+# a vocabulary S does not divide (nothing is padded then), S = 2 and 4, D = 1
+# and 2, both stashes, 2bw and the flushed schedules (gpipe's head cotangent
+# waits in the stash).
+HEAD_CASES = [("2bw", (2, 1, 2), "residuals", util.CONFIG),
+              ("2bw", (4, 2, 6), "inputs", TIED),
+              ("1f1b", (4, 1, 4), "residuals", TIED),
+              ("gpipe", (2, 2, 3), "inputs", ODD_VOCAB)]
+
+
+@pytest.mark.parametrize("schedule,shape,stash,cfg", HEAD_CASES,
+                         ids=[f"{c}-{util.shape_id(x)}-{st}-{'tied' if m.tie_embeddings else 'v' + str(m.vocab_size)}"
+                              for c, x, st, m in HEAD_CASES])
+def test_head_on_the_last_stage_matches_one_device(schedule, shape, stash, cfg):
+  """pipeline.head=last_stage trains as one device, and as the vocabulary-parallel head.
+
+  The shared parameters are whole (unpadded) in the state; their gradients
+  (the lookup's on stage 0, the head's on the last stage, both for a tied
+  matrix) are summed over the stages once per step.
+  """
+  s, d, m = shape
+  got = run(schedule, s, d, m, "adamw", stash=stash, cfg=cfg, vocab_parallel=False)
+  want = run("none", 1, 1, m, "adamw", delay=int(schedule == "2bw"), cfg=cfg)
+  assert_runs_match(got, want)
+  whole = _leaf(got.state_params, "embed/embedding")
+  assert whole.shape == (cfg.vocab_size, cfg.dim)  # not padded to a multiple of S
+  split = run(schedule, s, d, m, "adamw", stash=stash, cfg=cfg)
+  assert_runs_match(got, split)
+
+
+def test_head_placement_auto_follows_the_heads_share_of_a_stage():
+  """`auto` puts the head on the last stage while it adds at most 5% to that stage's work."""
+  from jaxpipe import config  # pylint: disable=g-import-not-at-top
+  pipe = config.PipelineConfig(schedule="2bw", stages=2, microbatches=8)
+  small = config.ModelConfig(vocab_size=257, dim=256, n_layers=8, n_heads=4, n_kv_heads=2)
+  # A block: 256*64*(2*4 + 2*2) attention + 3*256*704 MLP = 737,280 matmul
+  # parameters; a stage of 4 blocks 2,949,120; the head 256 x 257 = 65,792 (2.2%).
+  assert not config.vocab_parallel(small, pipe)
+  big = dataclasses.replace(small, vocab_size=50257)   # 12.9M: 436% of a stage
+  assert config.vocab_parallel(big, pipe)
+  # The threshold itself: 5% of the stage is 147,456 parameters = dim x 576.
+  assert not config.vocab_parallel(dataclasses.replace(small, vocab_size=576), pipe)
+  assert config.vocab_parallel(dataclasses.replace(small, vocab_size=577), pipe)
+  for head, want in (("vocab_parallel", True), ("last_stage", False)):
+    assert config.vocab_parallel(big if not want else small,
+                                 dataclasses.replace(pipe, head=head)) is want
 
 
 # --- bfloat16 ----------------------------------------------------------------

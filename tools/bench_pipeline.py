@@ -4,7 +4,7 @@
   python tools/bench_pipeline.py                       # S=4, M=8: the targets' run
   python tools/bench_pipeline.py --repeats 7 --out-md /tmp/bench.md
   python tools/bench_pipeline.py --sweep --out-md /tmp/sweep.md --out-png /tmp/bench_sweep.png
-  python tools/bench_pipeline.py --two-core --remat dots --out-md /tmp/two_core.md
+  python tools/bench_pipeline.py --two-core --remat dots --account 8 --out-md /tmp/two_core.md
 
 In one process, for S stages and M microbatches (a model split into S
 stages, one emulated device each; the one-device reference runs the same
@@ -32,13 +32,16 @@ how a real S-device pipeline would scale: see docs/benchmark.md.
 
 --two-core measures real parallelism instead (tools/bench_two_core.py): a
 process per configuration, pinned with taskset and with one XLA thread per
-device: the one-device
-reference on one core, each schedule with S=2 stages on two cores, and a
-ceiling (two data replicas, each doing the reference's work, on the two
-cores); --pairs rounds of one step of each, the speed-up of a round being the
-reference's step time over the schedule's. It prints the median speed-up,
-its quartiles and extremes, the bubble bound 2(1 - bubble) and the targets,
-for each vocabulary of --vocab (default bytes and GPT-2's).
+device: the one-device reference on one core, each schedule with S=2 stages
+on two cores, the no-collective ceiling (two devices of one process, each
+running the reference's step on its own data, nothing exchanged), and each
+schedule of --processes as two jax.distributed processes, a stage and a core
+each; --pairs rounds of one step of each, the speed-up of a round being the
+reference's step time over the configuration's. It prints the median
+speed-up, its quartiles and extremes, the bubble bound 2(1 - bubble), the
+share of the ceiling and the targets, for each vocabulary of --vocab
+(default bytes and GPT-2's); with --account N, also where N traced steps of
+each configuration spent their time, per device and phase (jaxpipe.account).
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -46,8 +49,6 @@ Bad input exits with status 2 and one line on stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -59,15 +60,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench_common import (SCHEDULES, ModelShape, Runner, emulate_devices, memory_row,
+                          write)
 from bench_report import (compile_table, draw_sweep, load, machine, memory_table, step_table,
                           sweep_table, target_table)
 from jaxpipe.cli._common import Parser
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
 SWEEP_STAGES = (2, 4)
 SWEEP_MICROBATCHES = (4, 8, 16)
-_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 # The project's targets for the 2bw step: (label, numerator, denominator, limit).
 TARGETS = (
@@ -76,22 +77,6 @@ TARGETS = (
     ("2bw step / one-device step", "2bw", "none", 1.4),
 )
 COMPILE_LIMIT = 1.3
-
-
-def emulate_devices(count: int) -> None:
-  """Asks XLA for `count` CPU devices; must run before JAX is imported.
-
-  A device count already in XLA_FLAGS is kept when it is large enough. The
-  benchmark measures the host's cores, so JAX runs on the CPU even where an
-  accelerator exists (unless JAX_PLATFORMS says otherwise).
-  """
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  have = [f.split("=", 1)[1] for f in flags if f.startswith(_COUNT_FLAG + "=")]
-  if have and have[-1].isdigit() and int(have[-1]) >= count:
-    return
-  flags = [f for f in flags if not f.startswith(_COUNT_FLAG)] + [f"{_COUNT_FLAG}={count}"]
-  os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 def bubble(schedule: str, num_stages: int, num_microbatches: int) -> Optional[float]:
@@ -120,118 +105,6 @@ def ticks(schedule: str, num_stages: int, num_microbatches: int) -> float:
   if num_microbatches < min_microbatches(schedule, num_stages):
     return float("nan")
   return facts(schedule, num_stages, num_microbatches).step_cost / 3
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-  """The benchmark's model and batch (see docs/benchmark.md for the choice)."""
-  dim: int = 256
-  layers: int = 8
-  heads: int = 4
-  kv_heads: int = 2
-  seq_len: int = 64
-  micro_rows: int = 2   # sequences per microbatch; global batch = M * micro_rows
-  vocab: int = 257      # 257: bytes; 50257: GPT-2's
-  remat: str = "none"   # model.remat
-  stash: str = "residuals"  # pipeline.stash
-
-
-def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int,
-                data: int = 1) -> Any:
-  """A validated `jaxpipe.config.Config` for one benchmark point (D=`data` replicas)."""
-  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
-  tree = {
-      "run": {"dir": "runs/bench", "steps": 1000, "progress": False},
-      "data": {"batch_size": num_microbatches * shape.micro_rows * data,
-               "seq_len": shape.seq_len},
-      "model": {"vocab_size": shape.vocab, "dim": shape.dim, "n_layers": shape.layers,
-                "n_heads": shape.heads, "n_kv_heads": shape.kv_heads, "remat": shape.remat},
-      "mesh": {"data": data},
-      "pipeline": {"schedule": schedule, "stages": 1 if schedule == "none" else num_stages,
-                   "microbatches": num_microbatches, "stash": shape.stash},
-      "optimizer": {"name": "adamw", "lr": 1e-3, "schedule": "constant"},
-  }
-  cfg = config_lib.from_dict(tree)
-  config_lib.validate(cfg)
-  return cfg
-
-
-@functools.lru_cache(maxsize=4)
-def _model(shape: ModelShape, seed: int) -> tuple[Any, Any, Any]:
-  """(StageFns, optimizer, initial params) of the benchmark model.
-
-  Built once per shape: every schedule starts from the same weights, and
-  the model's init is compiled once.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
-  # The pieces `jaxpipe.trainer.build` makes, minus the token data.
-  model, fns, optimizer = trainer.components(make_config(shape, "none", 1, 1))
-  return fns, optimizer, jax.jit(model.init)(jax.random.key(seed))
-
-
-class Runner:
-  """One schedule, compiled, with its state and a fixed random batch."""
-
-  def __init__(self, shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int,
-               *, seed: int = 0, compile_now: bool = True, data: int = 1):
-    import jax  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
-
-    self.name = schedule
-    cfg = make_config(shape, schedule, num_stages, num_microbatches, data)  # validates the shape
-    fns, optimizer, params = _model(shape, seed)
-    mesh = make_mesh(cfg.pipeline.stages, data)
-    self.schedule = make_schedule(schedule, fns, optimizer, mesh, num_microbatches,
-                                  stash=shape.stash)
-    batch_shape = (num_microbatches, shape.micro_rows * data, shape.seq_len)
-    # `init` copies the weights into the schedule's layout; the step donates
-    # that copy, never the shared params.
-    self.state = self.schedule.init(params, batch_shape)
-    rng = np.random.default_rng(seed)
-    sharding = self.schedule.batch_sharding()
-    self.tokens, self.targets = (
-        jax.device_put(rng.integers(0, shape.vocab - 1, batch_shape, dtype=np.int32), sharding)
-        for _ in range(2))
-    self.lower_s = self.compile_s = self.compile_cpu_s = 0.0
-    self.memory = None
-    self.compiled = None
-    if compile_now:
-      self.compile()
-
-  def compile(self) -> None:
-    """Lowers and compiles the step, timing both, and reads XLA's memory analysis."""
-    t0 = time.perf_counter()
-    lowered = self.schedule.lower_step(self.state, self.tokens, self.targets)
-    t1, c1 = time.perf_counter(), time.process_time()
-    self.compiled = lowered.compile()
-    t2, c2 = time.perf_counter(), time.process_time()
-    # CPU seconds of the whole process (all of XLA's threads): what the
-    # compilation cost, whatever share of the cores other processes took.
-    self.lower_s, self.compile_s, self.compile_cpu_s = t1 - t0, t2 - t1, c2 - c1
-    self.memory = self.compiled.memory_analysis()
-
-  def step(self) -> tuple[float, float]:
-    """Runs one step; returns (wall seconds, process CPU seconds)."""
-    import jax  # pylint: disable=g-import-not-at-top
-    c0, t0 = time.process_time(), time.perf_counter()
-    self.state, metrics = self.compiled(self.state, self.tokens, self.targets)
-    jax.block_until_ready((self.state, metrics))
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
-def memory_row(stats: Any) -> dict[str, int]:
-  """The fields of `CompiledMemoryStats` that the tables report, in bytes.
-
-  XLA compiles one SPMD program for all devices, so these are per device.
-  `resident` = arguments + outputs - aliased + temporaries: the donated state
-  is reused for the new state, so aliased bytes are counted once.
-  """
-  row = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
-         "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
-  row["resident"] = row["argument"] + row["output"] - row["alias"] + row["temp"]
-  return row
 
 
 def measure(shape: ModelShape, num_stages: int, num_microbatches: int, *, warmup: int,
@@ -333,6 +206,10 @@ def _int_list(text: str) -> list[int]:
   return values
 
 
+def _names(text: str) -> list[str]:
+  return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _check(args, shape: ModelShape) -> None:
   """Raises ValueError (one line) for settings the engine would refuse."""
   stages = SWEEP_STAGES if args.sweep else (2,) if args.two_core else (args.stages,)
@@ -364,6 +241,13 @@ def _check(args, shape: ModelShape) -> None:
                        "(util-linux)")
     if args.microbatches < 2:
       raise ValueError(f"2bw with 2 stages needs --microbatches >= 2, got {args.microbatches}")
+    bad = [n for n in args.processes if n not in SCHEDULES[1:]]
+    if bad:
+      raise ValueError(f"--processes {','.join(bad)}: not a pipelined schedule; choose from "
+                       f"{', '.join(SCHEDULES[1:])}")
+    if args.account < 0 or args.account == 1:
+      raise ValueError(f"--account must be 0 (off) or >= 2 steps (the first traced step has "
+                       f"no predecessor to measure its gap from), got {args.account}")
     return
   if args.repeats < 1 or args.warmup < 1:
     raise ValueError("--repeats and --warmup must be >= 1 (the first run of a program "
@@ -380,14 +264,6 @@ def _check(args, shape: ModelShape) -> None:
   if shape.dim % shape.heads or (shape.dim // shape.heads) % 2 or shape.heads % shape.kv_heads:
     raise ValueError(f"--dim={shape.dim}, --heads={shape.heads}, --kv-heads={shape.kv_heads}: "
                      "dim must split into heads of even size, heads into kv groups")
-
-
-def _write(text: str, path: str, log) -> None:
-  if path:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-      f.write(text)
-    log(f"wrote {path}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -424,8 +300,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                            "core, a pinned process each (see docs/benchmark.md)")
   parser.add_argument("--vocab", type=_int_list, default=[257, 50257],
                       help="two-core: vocabularies to measure (default 257,50257)")
-  parser.add_argument("--pairs", type=int, default=12,
-                      help="two-core: timed rounds, one step of every process each (default 12)")
+  parser.add_argument("--pairs", type=int, default=20,
+                      help="two-core: timed rounds, one step of every process each (default 20)")
+  parser.add_argument("--processes", type=_names, default=["2bw", "1f1b"],
+                      help="two-core: schedules to also run as two jax.distributed processes, "
+                           "a stage each ('' for none; default 2bw,1f1b)")
+  parser.add_argument("--account", type=int, default=0,
+                      help="two-core: afterwards trace this many steps of each configuration "
+                           "and account for their time by phase (default 0: off)")
   parser.add_argument("--cores", default="0,1",
                       help="two-core: the two CPU cores to pin to (default 0,1)")
   args = parser.parse_args(argv)
@@ -487,9 +369,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   text = "\n".join(header) + "\n\n" + "\n\n".join(f"### {t}\n\n{body}" for t, body in sections)
   text += "\n\n" + "\n".join(footer) + "\n"
   print(text)
-  _write(text, args.out_md, log)
+  write(text, args.out_md, log)
   if args.out_json:
-    _write(json.dumps({"header": header, "footer": footer, "rows": rows,
+    write(json.dumps({"header": header, "footer": footer, "rows": rows,
                        "compile": compile_rows if not args.sweep else []}, indent=1),
            args.out_json, log)
   if args.sweep and args.out_png:

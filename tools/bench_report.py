@@ -19,7 +19,7 @@ def _table(columns: Sequence[str], align: str, lines: Sequence[str]) -> str:
 
 def two_core_table(rows: list[dict[str, Any]]) -> str:
   """Markdown: speed-up of each schedule on two cores over one device on one core."""
-  labels = {"ceiling": "ceiling (2 data replicas, no pipeline)",
+  labels = {"ceiling": "ceiling (2 devices of one process, no collective)",
             "hardware": "hardware (2 one-device processes at once)"}
   lines = []
   for r in rows:
@@ -31,11 +31,55 @@ def two_core_table(rows: list[dict[str, Any]]) -> str:
     lines.append(
         f"| {r['vocab']} | {labels.get(r['schedule'], r['schedule'])} | {r['ref_s']:.3f} | "
         f"{r['step_s']:.3f} | {r['speedup']:.2f}x | {r['q1']:.2f}-{r['q3']:.2f} | "
-        f"{r['low']:.2f}-{r['high']:.2f} | {r['bound']:.2f}x | {r['speedup'] / 2:.0%} | "
+        f"{r['low']:.2f}-{r['high']:.2f} | {r['bound']:.2f}x | {_share(r)} | "
         f"{target} | {r['load_before'].split('/')[0]}-{r['load_after'].split('/')[0]} |")
   return _table(["vocabulary", "schedule", "one device s/step", "two cores s/step",
-                 "speed-up (median)", "quartiles", "min-max", "bubble bound", "share of 2.0x",
-                 "target", "load (1 min)"], "llrrrrrrrll", lines)
+                 "speed-up (median)", "quartiles", "min-max", "bubble bound",
+                 "share of the ceiling", "target", "load (1 min)"], "llrrrrrrrll", lines)
+
+
+def _share(row: dict[str, Any]) -> str:
+  """The row's speed-up over the ceiling's speed-up x its bubble share, as a percentage."""
+  ceiling = row.get("ceiling")
+  if not ceiling or row["schedule"] in ("ceiling", "hardware"):
+    return "-"
+  return f"{row['speedup'] / (ceiling * row['bound'] / 2):.0%}"
+
+
+# The account's parts, gathered into the columns of `account_tables`.
+_GROUPS = (("forward", ("forward",)), ("backward", ("backward",)), ("head", ("head",)),
+           ("embedding", ("embed", "embed_grad")), ("update", ("grad_reduce", "optimizer")),
+           ("other", ("other",)))
+
+
+def account_tables(accounts: dict[str, Any]) -> str:
+  """Markdown: where each configuration's step went, per device, in ms (`jaxpipe.account`).
+
+  The first table gives compute by phase, time in collectives (moving data,
+  and waiting for the other devices to arrive), idle time inside the step and
+  the host's gap before it; they add up to the traced step, shown beside the
+  step as the host measured it. The second splits the collectives by phase.
+  """
+  main, coll = [], []
+  phases = ("embed", "head", "embed_grad", "send", "grad_reduce", "optimizer", "other")
+  for label, acc in accounts.items():
+    for device, parts in sorted(acc["devices"].items()):
+      ms = lambda keys: sum(parts.get(k, 0.0) for k in keys) / 1e3
+      cols = [ms(keys) for _, keys in _GROUPS]
+      moving = ms([p for p in parts if p.endswith(" collective")])
+      waiting = ms([p for p in parts if p.endswith(" wait")])
+      rest = [moving, waiting, ms(["idle"]), ms(["host gap"])]
+      total = sum(cols) + sum(rest)
+      main.append(f"| {label} | {device} | " + " | ".join(f"{c:.1f}" for c in cols + rest)
+                  + f" | {total:.1f} | {acc['measured_us'] / 1e3:.1f} |")
+      coll.append(f"| {label} | {device} | " + " | ".join(
+          f"{ms([p + ' collective']):.1f} / {ms([p + ' wait']):.1f}" for p in phases) + " |")
+  first = _table(["configuration", "device", *(g for g, _ in _GROUPS), "collectives",
+                  "waiting at collectives", "idle", "host gap", "sum", "step (host clock)"],
+                 "ll" + "r" * 12, main)
+  second = _table(["configuration", "device",
+                   *(f"{p} (moving / waiting)" for p in phases)], "ll" + "r" * len(phases), coll)
+  return first + "\n\nCollectives by phase, ms per step (moving data / waiting):\n\n" + second
 
 
 def _mib(n: int) -> str:

@@ -151,6 +151,11 @@ class Plan:
       own program (`jaxpipe.pipeline._cost`); {} without stages.
     bubble: {schedule: steady-state idle share, or None}.
     warnings: one line each.
+    traffic: bytes one device sends in a steady tick of the config's
+      schedule, by kind ('point_to_point', 'head', 'embedding':
+      `Engine.traffic`); {} without stages.
+    vocab_parallel: whether the embedding and head are split over the
+      stages (`pipeline.head`).
   """
   cfg: config_lib.Config
   num_params: int
@@ -159,6 +164,8 @@ class Plan:
   work: dict[str, list[float]]
   bubble: dict[str, Optional[float]]
   warnings: list[str]
+  traffic: dict[str, float] = dataclasses.field(default_factory=dict)
+  vocab_parallel: bool = True
 
   def total(self, schedule: str, stash: Optional[str] = None) -> Optional[int]:
     """Bytes per device of a schedule (with the config's stash choice by default).
@@ -216,7 +223,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import make_mesh, make_schedule, min_microbatches, step_plan  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import _vocab  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline._engine import residual_shapes  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline._engine import Engine, residual_shapes  # pylint: disable=g-import-not-at-top
 
   cfg = resolve_vocab(cfg)
   s_, d_, m = cfg.pipeline.stages, cfg.mesh.data, cfg.pipeline.microbatches
@@ -296,7 +303,9 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
       mesh = make_mesh(num, d_)
       sched = make_schedule(name, fns, optimizer, mesh, m, stash=stash,
                             shard_optimizer=cfg.mesh.shard_optimizer,
-                            expert_parallel=cfg.mesh.expert_parallel)
+                            expert_parallel=cfg.mesh.expert_parallel,
+                            vocab_parallel=config_lib.vocab_parallel(
+                                cfg.model, dataclasses.replace(cfg.pipeline, stages=num)))
       state = jax.eval_shape(lambda p, sched=sched: sched.init(p, batch_shape), params)
       nbytes = _device_bytes(state, sched.state_shardings(state))
       row = {k: 0 for k, _ in ROWS}
@@ -346,12 +355,21 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
       out[name][stash] = row
 
   work_per_stage: dict[str, list[float]] = {}
-  if work and s_ > 1 and m >= min_microbatches(cfg.pipeline.schedule, s_):
+  traffic: dict[str, float] = {}
+  vp = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
+  if s_ > 1 and m >= min_microbatches(cfg.pipeline.schedule, s_):
     name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
-    _, _, sh_padded, _ = stage_shapes(s_)
-    for stash in STASHES:
-      work_per_stage[stash] = _tick_costs(fns, step_plan(name, s_, m), blocks, sh_padded,
-                                          tokens, stash)
+    # The stage functions as the schedule gives them to its engine.
+    mode_fns = fns if vp else fns._replace(vocab_axes=jax.tree.map(
+        lambda _: None, fns.vocab_axes, is_leaf=lambda a: a is None))
+    sh_mode = stage_shapes(s_)[2] if vp else shared
+    engine = Engine(mode_fns, step_plan(name, s_, m), stash=cfg.pipeline.stash)
+    traffic = engine.traffic(_bytes(jax.eval_shape(fns.embed, shared, tokens)),
+                             rows * cfg.data.seq_len)
+    if work:
+      for stash in STASHES:
+        work_per_stage[stash] = _tick_costs(mode_fns, step_plan(name, s_, m), blocks, sh_mode,
+                                            tokens, stash)
 
   # Warnings: what the user should change before launching.
   need = min_microbatches("2bw", s_)
@@ -366,7 +384,8 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
       warnings.append(f"{name} idles {b:.0%} of every step at S={s_}, M={m} (above "
                       f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
   limit = device_gib * 2 ** 30
-  result = Plan(cfg, num_params, int(stage_params), out, work_per_stage, bubble, warnings)
+  result = Plan(cfg, num_params, int(stage_params), out, work_per_stage, bubble, warnings,
+                traffic, vp)
   for name in SCHEDULES:
     total = result.total(name)
     if total is not None and total > limit:
@@ -415,7 +434,8 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   stages = cfg.pipeline.stages if schedule != "none" else 1
   sched = make_schedule(schedule, fns, optimizer, make_mesh(stages, cfg.mesh.data), m,
                         stash=stash, shard_optimizer=cfg.mesh.shard_optimizer,
-                        expert_parallel=cfg.mesh.expert_parallel)
+                        expert_parallel=cfg.mesh.expert_parallel,
+                        vocab_parallel=config_lib.vocab_parallel(cfg.model, cfg.pipeline))
   batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
   params = jax.eval_shape(model.init, jax.random.key(0))
   state = jax.eval_shape(lambda p: sched.init(p, batch_shape), params)
@@ -479,6 +499,16 @@ def format_plan(p: Plan, device_gib: float) -> str:
       lines.append(f"  stash {stash:9s} " + "  ".join(f"s{i}={flops(x)}" for i, x in
                                                     enumerate(w))
                    + f"   slowest / mean = {p.balance(stash):.3f}")
+  if p.traffic:
+    name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
+    where = ("split over the stages by vocabulary" if p.vocab_parallel else
+             "whole on every stage, used on the first and last")
+    t = p.traffic
+    lines += ["", f"traffic per device and tick, {name} (bytes sent; embedding and head {where}, "
+              f"pipeline.head={cfg.pipeline.head}):",
+              f"  point to point {human(t['point_to_point'])}, head collectives "
+              f"{human(t['head'])}, embedding (once per step, per tick) {human(t['embedding'])}; "
+              f"total {human(sum(t.values()))}"]
   lines += [
       "",
       "* the config's schedule and stash choice (inp = pipeline.stash=inputs, res = residuals).",
@@ -518,6 +548,8 @@ def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
       "estimates": {n: {st: gib(p.total(n, st)) for st in (STASHES if n != "none" else
                                                             ("inputs",))}
                     for n in SCHEDULES},
+      "traffic_bytes_per_tick": p.traffic,
+      "vocab_parallel": p.vocab_parallel,
   }
   return out
 

@@ -192,7 +192,14 @@ class Schedule:
 
   def __init__(self, fns: StageFns, optimizer: optax.GradientTransformation, mesh: Mesh,
                num_microbatches: int, *, stash: str = "inputs", shard_optimizer: bool = True,
-               expert_parallel: bool = True, predict: Optional[Any] = None):
+               expert_parallel: bool = True, vocab_parallel: bool = True,
+               predict: Optional[Any] = None):
+    if not vocab_parallel:
+      # The shared parameters whole on every stage: the embedding is used on
+      # the first, the head on the last (see `Engine`).
+      fns = fns._replace(vocab_axes=jax.tree.map(lambda _: None, fns.vocab_axes,
+                                                 is_leaf=lambda a: a is None))
+    self.vocab_parallel = vocab_parallel
     self.fns, self.opt, self.mesh = fns, optimizer, mesh
     self.shard_optimizer = shard_optimizer
     self.predict = predict
@@ -214,8 +221,8 @@ class Schedule:
       raise ValueError(f"schedule {self.name} with {self.num_stages} stages needs at least "
                        f"{need} microbatches per step, got {num_microbatches}")
     # The vocabulary as the state holds it: padded to a multiple of S.
-    self.vocab = (_vocab.padded_vocab(fns.vocab_size, self.num_stages) if self.pipelined
-                  else fns.vocab_size)
+    self.vocab = (_vocab.padded_vocab(fns.vocab_size, self.num_stages)
+                  if self.pipelined and vocab_parallel else fns.vocab_size)
     self._jit_step = None
     self._jit_eval = None
 

@@ -4,25 +4,32 @@
 kind (forward-only, backward-only, both; the same weight version on every
 stage or not) is its own `lax.scan` whose body contains only that kind's
 work, so a tick with no backward anywhere costs a forward and nothing more.
-Within a tick, in this order (each step's inputs depend on the previous one,
-so every stage runs the same phase at the same time):
+Before the first tick, stage 0's inputs of every microbatch it starts in
+the step are embedded at once (with a split vocabulary each stage looks up
+its rows and one `psum` over `stage` assembles them). Within a tick, in this
+order (each step's inputs depend on the previous one, so every stage runs
+the same phase at the same time), each phase under its own `jax.named_scope`
+(`PHASE`):
 
-1. embedding: every stage looks up its vocabulary rows for stage 0's
-   forward microbatch; a `psum` over `stage` assembles stage 0's input;
-2. forward: stage s runs its blocks on its input and stashes what its
-   backward needs: with `stash='residuals'` the residuals of `jax.vjp`
-   (the stage's weights left out, they are in the state), with
-   `stash='inputs'` only the stage input, recomputed in the backward;
-3. head: the last stage's output is broadcast (`psum`) and every stage
-   computes the logits of its vocabulary slice and their share of the loss
-   and its gradient (`_vocab.cross_entropy`); the gradient with respect to
-   the hidden state comes back summed over stages;
-4. backward: stage s pulls back the cotangent from stage s+1 (on the last
+1. forward: stage s runs its blocks on its input (stage 0: its embedded
+   microbatch) and stashes what its backward needs: with
+   `stash='residuals'` the residuals of `jax.vjp` (the stage's weights left
+   out, they are in the state), with `stash='inputs'` only the stage input,
+   recomputed in the backward;
+2. head: with a split vocabulary the last stage's output is broadcast
+   (`psum`) and every stage computes the logits of its vocabulary slice and
+   their share of the loss and its gradient (`_vocab.cross_entropy`); the
+   gradient with respect to the hidden state comes back summed over stages.
+   With the embedding and head whole on every stage (`pipeline.head`), the
+   last stage computes them alone and nothing crosses stages;
+3. backward: stage s pulls back the cotangent from stage s+1 (on the last
    stage, the head's) through its stash and adds the weight gradient into the
    accumulator the plan names;
-5. embedding gradient: stage 0's input cotangent is broadcast and each stage
-   scatters it into its rows;
-6. `ppermute`s carry the activation to stage s+1 and the cotangent to s-1.
+4. `ppermute`s carry the activation to stage s+1 and the cotangent to s-1.
+
+After the last tick, stage 0's input cotangents of the step go to every
+stage at once (one `psum`, with a split vocabulary) and each scatters them
+into its rows of the embedding's gradient.
 
 `Engine.evaluate` runs GPipe's forward ticks with the head's loss only.
 
@@ -245,7 +252,12 @@ class TickCarry(NamedTuple):
 
 
 class _Ctx(NamedTuple):
-  """What every tick of one step reads (traced values and the stage's position)."""
+  """What every tick of one step reads (traced values and the stage's position).
+
+  `x0` holds the embedded inputs of every microbatch stage 0 starts this
+  step ([n, b, t, ...], `_StepEmbedding.forwards` order), looked up once per
+  step; a tick's `row['embed_pos']` picks its one.
+  """
   stage: jax.Array
   is_first: jax.Array
   is_last: jax.Array
@@ -257,6 +269,50 @@ class _Ctx(NamedTuple):
   has_history: jax.Array
   slot_base: jax.Array
   layout: Optional[_VjpLayout]
+  x0: Optional[jax.Array]
+
+
+class _StepEmbedding(NamedTuple):
+  """Which microbatches stage 0 embeds and pulls back in a step, read off the plan.
+
+  The embedding's lookup and its gradient are done once per step for all of
+  them, not per tick: with the vocabulary split over the stages each is a
+  collective, and one per step is a barrier per step instead of two per tick.
+
+  Attributes:
+    forwards: window indices of stage 0's forwards, in tick order.
+    version: the shared version they are embedded with (one per step).
+    embed_pos: int32 [T]: each tick's position in `forwards` (0 where none).
+    backwards: window indices of stage 0's backwards, in tick order.
+    grad_ticks: the ticks those backwards run in.
+    grad_accs: the accumulator each backward's embedding gradient goes to.
+  """
+  forwards: np.ndarray
+  version: Optional[int]
+  embed_pos: np.ndarray
+  backwards: np.ndarray
+  grad_ticks: np.ndarray
+  grad_accs: np.ndarray
+
+  @classmethod
+  def of(cls, plan: StepPlan) -> "_StepEmbedding":
+    """The step's embedding work, from the plan's stage-0 columns."""
+    fwd_ticks = np.flatnonzero(plan.fwd[:, 0] >= 0)
+    versions = {int(v) for v in plan.embed_version[fwd_ticks]}
+    if len(versions) > 1:
+      raise ValueError(f"{plan.schedule}: stage 0 embeds with several shared versions in one "
+                       f"step ({sorted(versions)}); the engine embeds a step's microbatches at once")
+    pos = np.zeros(plan.num_ticks, np.int32)
+    pos[fwd_ticks] = np.arange(len(fwd_ticks), dtype=np.int32)
+    grad_ticks = np.flatnonzero(plan.bwd[:, 0] >= 0)
+    return cls(plan.fwd[fwd_ticks, 0].astype(np.int32), versions.pop() if versions else None,
+               pos, plan.bwd[grad_ticks, 0].astype(np.int32), grad_ticks.astype(np.int32),
+               plan.embed_acc[grad_ticks].astype(np.int32))
+
+
+def vocab_split(vocab_axes: Tree) -> bool:
+  """Whether a StageFns' shared leaves are split over 'stage' by vocabulary (else replicated)."""
+  return any(a is not None for a in jax.tree.leaves(vocab_axes, is_leaf=lambda a: a is None))
 
 
 class Engine:
@@ -265,7 +321,10 @@ class Engine:
   def __init__(self, fns: StageFns, plan: StepPlan, *, stash: str = "inputs",
                solo_stage: Optional[int] = None):
     """Args:
-      fns, plan: the model's stage functions and the plan to execute.
+      fns, plan: the model's stage functions and the plan to execute. Where
+        `fns.vocab_axes` marks no leaf, the shared parameters are whole on
+        every stage: the embedding is looked up on stage 0 and the head runs
+        on the last stage alone, with no collective (`pipeline.head`).
       stash: 'inputs' or 'residuals' (see the module docstring).
       solo_stage: run stage `solo_stage`'s program alone, on a mesh whose
         'stage' axis has one device (the planner's cost of one stage's tick:
@@ -280,9 +339,38 @@ class Engine:
     self.fns, self.plan, self.stash_mode = fns, plan, stash
     self.solo_stage = solo_stage
     self.num_stages = plan.num_stages
+    self.split = vocab_split(fns.vocab_axes)
+    self.step_embedding = _StepEmbedding.of(plan)
     # Forwards the plan leaves empty write into a scratch slot past the ring.
     self.trash = plan.slots
     self.num_slots = plan.slots + int((plan.fwd < 0).any())
+
+  def traffic(self, act_bytes: int, tokens: int) -> dict[str, float]:
+    """Bytes one device sends in a steady tick, by kind, as this engine's program moves them.
+
+    `act_bytes` is one microbatch's activation on one device, `tokens` its
+    token count. Point to point: the activation forward and the cotangent
+    back (one exchange at S=2, two sends on a middle stage). With a split
+    vocabulary, collectives over 'stage': the head's broadcast of the last
+    stage's output and the sum of its cotangent (two all-reduces, 2(S-1)/S
+    of the data each in a ring), the softmax statistics' all-gather (3
+    float32 per token, to S-1 peers), and the embedding's lookup and
+    gradient, once per step over all of stage 0's microbatches, per tick
+    on average. The data-parallel gradient reduction is once per step and
+    not counted here.
+    """
+    s_ = self.num_stages
+    steady = [t for t in range(self.plan.num_ticks)
+              if (self.plan.fwd[t] >= 0).all() or (self.plan.bwd[t] >= 0).all()]
+    if s_ == 1:
+      return {"point_to_point": 0.0, "head": 0.0, "embedding": 0.0}
+    p2p = act_bytes if s_ == 2 else 2 * act_bytes
+    ring = 2 * (s_ - 1) / s_
+    head = (2 * ring * act_bytes + (s_ - 1) * 12 * tokens) if self.split else 0.0
+    e = self.step_embedding
+    embed = (ring * act_bytes * (len(e.forwards) + len(e.backwards)) / max(len(steady), 1)
+             if self.split else 0.0)
+    return {"point_to_point": float(p2p), "head": float(head), "embedding": float(embed)}
 
   # --- the carry ---------------------------------------------------------------
 
@@ -327,46 +415,68 @@ class Engine:
       slot_base: the stash slot of this step's first microbatch.
     """
     s = self._stage_index()
-    local_vocab = self._local_vocab(shared_versions[0])
     blocks = tuple(make_varying(self.fns.prepare(b)) for b in blocks_versions)
+    shared = tuple(make_varying(v) for v in shared_versions)
     layout = None
     if self.stash_mode == "residuals":
       layout, _ = _vjp_layout(self.fns.stage, blocks[0], carry.fwd_buf)
-    ctx = _Ctx(stage=s, is_first=s == 0, is_last=s == self.num_stages - 1,
-               offset=s * local_vocab, blocks=blocks,
-               shared=tuple(make_varying(v) for v in shared_versions),
-               tokens=tokens, targets=targets, has_history=jnp.asarray(has_history),
-               slot_base=jnp.asarray(slot_base), layout=layout)
+    offset = s * self._local_vocab(shared[0]) if self.split else jnp.int32(0)
+    ctx = _Ctx(stage=s, is_first=s == 0, is_last=s == self.num_stages - 1, offset=offset,
+               blocks=blocks, shared=shared, tokens=tokens, targets=targets,
+               has_history=jnp.asarray(has_history), slot_base=jnp.asarray(slot_base),
+               layout=layout, x0=None)
+    ctx = ctx._replace(x0=self._embed_step(ctx, carry.fwd_buf.dtype))
     plan = self.plan
+    grads_x0 = []
     for kind, t0, t1 in plan.segments():
       # One loop per run of ticks of one kind, each body holding only that
       # kind's work. (A single loop switching on the kind would keep one
       # working set instead of one per loop, but XLA's CPU runtime then
       # serialises the stages: a conditional holding collectives blocks.)
       xs = {k: jnp.asarray(getattr(plan, k)[t0:t1]) for k in _ROWS}
+      xs["embed_pos"] = jnp.asarray(self.step_embedding.embed_pos[t0:t1])
       # Where every stage has work in every tick of the run (2bw's steady
       # state), no cond guards it: a cond costs the CPU runtime some overlap.
       gaps = (bool((plan.fwd[t0:t1] < 0).any()), bool((plan.bwd[t0:t1] < 0).any()))
 
       def body(c, row, kind=kind, gaps=gaps):
-        return self._tick(kind, ctx, c, row, gaps), None
+        return self._tick(kind, ctx, c, row, gaps)
 
-      carry, _ = lax.scan(body, carry, xs)
-    return carry
+      carry, g_x0 = lax.scan(body, carry, xs)
+      # Stage 0's input cotangent of each tick (zeros elsewhere), for the
+      # embedding's gradient after the last tick.
+      grads_x0.append(g_x0 if kind.bwd else None)
+    return self._embed_grad_step(ctx, carry, grads_x0)
 
   def _tick(self, kind: TickKind, ctx: _Ctx, c: TickCarry, row: dict,
-            gaps: tuple[bool, bool] = (True, True)) -> TickCarry:
-    """One tick of one kind on this stage: its work, the stash write, the sends.
+            gaps: tuple[bool, bool] = (True, True)) -> tuple[TickCarry, Optional[jax.Array]]:
+    """One tick of one kind on this stage: (the carry after it, stage 0's input cotangent).
 
-    `gaps`: whether some forward (backward) slot of these ticks is empty; its
-    work is then guarded by a cond, so that an empty slot computes nothing.
+    The phases in order: forward and stash (its input embedded on stage 0),
+    head, backward, transfers. `gaps`: whether some forward (backward) slot of
+    these ticks is empty; its work is then guarded by a cond, so that an
+    empty slot computes nothing.
     """
-    stash, send_f, send_b, accs, losses = self._work(kind, ctx, c, row, gaps)
+    accs, losses, stash = list(c.accs), c.losses, c.stash
+    send_f, send_b, g_head, g_x0 = jnp.zeros_like(c.fwd_buf), jnp.zeros_like(c.bwd_buf), None, None
+    if kind.fwd:
+      y, f_ok, entry = self._forward(kind, ctx, c, row, gaps[0])
+      if kind.head_version is not None:
+        with jax.named_scope(PHASE["head"]):
+          g_head, entry, accs, losses = self._head_tick(kind, ctx, row, y, entry, accs, losses)
+      with jax.named_scope(PHASE["forward"]):
+        stash = self._stash(ctx, row, stash, entry, c.fwd_buf)
+      send_f = jnp.where(f_ok, y, jnp.zeros_like(y)).astype(c.fwd_buf.dtype)
+    if kind.bwd:
+      with jax.named_scope(PHASE["backward"]):
+        send_b, accs, losses = self._backward(kind, ctx, c, row, stash, g_head, accs, losses,
+                                              gaps[1])
+        g_x0 = jnp.where(ctx.is_first, send_b, jnp.zeros_like(send_b))
     if self.solo_stage is not None:
-      return TickCarry(send_f, send_b, stash, accs, losses)
+      return TickCarry(send_f, send_b, stash, tuple(accs), losses), g_x0
     with jax.named_scope(PHASE["send"]):
       fwd_buf, bwd_buf = self._exchange(kind, ctx, c, send_f, send_b)
-    return TickCarry(fwd_buf, bwd_buf, stash, accs, losses)
+    return TickCarry(fwd_buf, bwd_buf, stash, tuple(accs), losses), g_x0
 
   def _exchange(self, kind: TickKind, ctx: _Ctx, c: TickCarry, send_f: jax.Array,
                 send_b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -412,155 +522,195 @@ class Engine:
         return leaf.shape[a]
     return self.fns.vocab_size
 
-  def _embed(self, ctx: _Ctx, shared: Tree, tokens: jax.Array) -> jax.Array:
-    part = _vocab.masked_lookup(self.fns.embed, shared, tokens, ctx.offset,
+  # --- the phases of a tick ------------------------------------------------------
+
+  def _lookup(self, ctx: _Ctx, shared: Tree, tokens: jax.Array) -> jax.Array:
+    """Embeddings of `tokens`: with a split vocabulary, this stage's rows (zeros elsewhere)."""
+    if not self.split:
+      return self.fns.embed(shared, tokens)
+    return _vocab.masked_lookup(self.fns.embed, shared, tokens, ctx.offset,
                                 self._local_vocab(shared))
-    return lax.psum(part, STAGE)
+
+  def _embed_step(self, ctx: _Ctx, dtype) -> Optional[jax.Array]:
+    """[n, b, t, ...] stage 0's inputs of the step, embedded at once (see `_StepEmbedding`)."""
+    e = self.step_embedding
+    if e.version is None:
+      return None
+    with jax.named_scope(PHASE["embed"]):
+      tokens = ctx.tokens[jnp.asarray(np.maximum(e.forwards, 0))]
+      x0 = self._lookup(ctx, ctx.shared[e.version], tokens)
+      if self.split:
+        # Each stage holds a slice of the rows: summing assembles them.
+        x0 = lax.psum(x0, STAGE)
+      return x0.astype(dtype)
+
+  def _forward(self, kind: TickKind, ctx: _Ctx, c: TickCarry, row: dict, gap: bool):
+    """(output, whether this stage's forward slot is filled, its stash entry) of the tick."""
+    s = ctx.stage
+    f = row["fwd"][s]
+    f_ok = self._valid(ctx, f)
+    x_in = c.fwd_buf
+    if kind.embed_version is not None:
+      x_in = jnp.where(ctx.is_first, ctx.x0[row["embed_pos"]].astype(x_in.dtype), x_in)
+    x_in = jnp.where(f_ok, x_in, jnp.zeros_like(x_in))
+    fns = self.fns
+
+    def forward(blocks):
+      if self.stash_mode == "residuals":
+        y, aux, kept, layout = _forward_with_vjp(fns.stage, blocks, x_in)
+        assert layout.layout == ctx.layout.layout, "the stage traced differently"
+        return y.astype(x_in.dtype), aux, {"res": kept}
+      y, aux = fns.stage(blocks, x_in)
+      return y.astype(x_in.dtype), aux, {"x": x_in}
+
+    # An empty slot computes nothing: the stage's work is under a cond on
+    # this stage's own validity (other stages may be busy this tick).
+    compute = lambda: self._with_version(ctx.blocks, kind.fwd_version, row["fwd_version"][s],
+                                         forward)
+    with jax.named_scope(PHASE["forward"]):
+      y, aux, entry = _only_if(f_ok, compute) if gap else compute()
+    return y, f_ok, {**entry, "aux": aux}
+
+  def _head_tick(self, kind: TickKind, ctx: _Ctx, row: dict, y: jax.Array, entry: dict,
+                 accs: list, losses: jax.Array):
+    """The head of the last stage's forward microbatch: (its cotangent, entry, accs, losses).
+
+    With a split vocabulary every stage computes its slice's logits (the last
+    stage's output broadcast to all); otherwise the last stage alone.
+    """
+    last = row["fwd"][self.num_stages - 1]
+    last_ok = self._valid(ctx, last)
+    shared, targets = ctx.shared[kind.head_version], ctx.targets[jnp.maximum(last, 0)]
+    if self.split:
+      # psum of the last stage's output (zeros elsewhere): a broadcast that
+      # also makes every stage's head wait for every stage's forward.
+      h = lax.psum(jnp.where(ctx.is_last, y, jnp.zeros_like(y)), STAGE)
+      loss_h, g_sh, g_head = self._head(ctx, shared, h, targets)
+    else:
+      loss_h, g_sh, g_head = _only_if(ctx.is_last,
+                                      lambda: self._head(ctx, shared, y, targets))
+    a = kind.head_acc
+    accs[a] = (accs[a][0], jax.tree.map(
+        lambda acc, g: acc + jnp.where(last_ok, g, jnp.zeros_like(g)).astype(acc.dtype),
+        accs[a][1], g_sh))
+    losses = losses.at[a].add(jnp.where(last_ok & ctx.is_last, loss_h, 0.0))
+    if self.plan.head_stash:
+      entry = {**entry, "dh": make_varying(g_head).astype(y.dtype)}
+    return g_head, entry, accs, losses
 
   def _head(self, ctx: _Ctx, shared: Tree, h: jax.Array, targets: jax.Array):
-    """(loss, shared gradient slice, gradient of h summed over stages) of one microbatch."""
+    """(loss, shared gradient (slice), gradient of h (summed over stages)) of one microbatch."""
     def objective(sh, h):
       return _vocab.chunked_cross_entropy(self.fns.logits, sh, h, targets, ctx.offset,
-                                          self.fns.vocab_size, STAGE, self.fns.loss_chunk)
+                                          self.fns.vocab_size, STAGE if self.split else None,
+                                          self.fns.loss_chunk)
 
     loss, pull = jax.vjp(objective, shared, h)
     g_shared, g_h = pull(jnp.ones_like(loss))
     return loss, g_shared, g_h
 
-  def _work(self, kind: TickKind, ctx: _Ctx, c: TickCarry, row: dict,
-            gaps: tuple[bool, bool]):
-    """One kind of tick's work on this stage, but for the sends.
-
-    Returns (the stash with this tick's forward written into it; what goes to
-    stage s+1; what goes to stage s-1; the accumulators; the losses).
-    """
-    fns, plan = self.fns, self.plan
+  def _stash(self, ctx: _Ctx, row: dict, stash: dict, entry: dict, like: jax.Array) -> dict:
+    """The stash with the tick's forward entry written into its slot."""
+    if self.plan.head_stash and "dh" not in entry:
+      entry = {**entry, "dh": jnp.zeros_like(like)}
+    # Written before the backward reads: on the last stage the backward is
+    # this very microbatch. Outside any cond: XLA copies a buffer that a
+    # conditional reads and the loop body then writes.
     s = ctx.stage
-    zeros = lambda x: jnp.zeros_like(x)
-    accs, losses, stash = list(c.accs), c.losses, c.stash
-    g_head = None
-    send_f, send_b = zeros(c.fwd_buf), zeros(c.bwd_buf)
+    slot_f = self._slot(ctx, row["fwd"][s], row["fwd_slot"][s])
+    return jax.tree.map(
+        lambda r, v: lax.dynamic_update_index_in_dim(r, v.astype(r.dtype), slot_f, 0),
+        stash, entry)
 
-    if kind.fwd:
-      f = row["fwd"][s]
-      f_ok = self._valid(ctx, f)
-      x_in = c.fwd_buf
-      if kind.embed_version is not None:
-        with jax.named_scope(PHASE["embed"]):
-          f0 = row["fwd"][0]
-          x0 = self._embed(ctx, ctx.shared[kind.embed_version], ctx.tokens[jnp.maximum(f0, 0)])
-          x_in = jnp.where(ctx.is_first, x0.astype(x_in.dtype), x_in)
-      x_in = jnp.where(f_ok, x_in, zeros(x_in))
+  def _backward(self, kind: TickKind, ctx: _Ctx, c: TickCarry, row: dict, stash: dict,
+                g_head: Optional[jax.Array], accs: list, losses: jax.Array, gap: bool):
+    """The tick's backward on this stage: (input cotangent to send, accs, losses)."""
+    plan, fns, s = self.plan, self.fns, ctx.stage
+    b = row["bwd"][s]
+    b_ok = self._valid(ctx, b)
+    slot = self._slot(ctx, b, row["bwd_slot"][s])
+    zeros = jnp.zeros_like
+    if plan.head_stash:
+      top = None
+    else:  # the head ran this tick, or the last stage has no backward in it
+      top = zeros(c.bwd_buf) if g_head is None else g_head.astype(c.bwd_buf.dtype)
+    # Accumulators this tick's backwards may add into (the plan's, or all).
+    targets = [a for a in range(plan.num_accumulators)
+               if kind.bwd_version is None or kind.bwd_version == a]
+    block_accs = tuple(accs[a][0] for a in targets)
 
-      def forward(blocks):
+    def backward_and_add(valid=True):
+      entry = jax.tree.map(
+          lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False), stash)
+      g_top = (entry["dh"] if top is None else top).astype(c.bwd_buf.dtype)
+      g_y = jnp.where(ctx.is_last, g_top, c.bwd_buf)
+      g_aux = make_varying(jnp.ones((), entry["aux"].dtype))
+
+      def backward(blocks):
         if self.stash_mode == "residuals":
-          y, aux, kept, layout = _forward_with_vjp(fns.stage, blocks, x_in)
-          assert layout.layout == ctx.layout.layout, "the stage traced differently"
-          return y.astype(x_in.dtype), aux, {"res": kept}
-        y, aux = fns.stage(blocks, x_in)
-        return y.astype(x_in.dtype), aux, {"x": x_in}
+          pull = _rebuild_vjp(ctx.layout, entry["res"], blocks)
+        else:
+          _, pull = jax.vjp(fns.stage, blocks, entry["x"])
+        return pull((g_y, g_aux))
 
-      # An empty slot computes nothing: the stage's work is under a cond on
-      # this stage's own validity (other stages may be busy this tick).
-      compute = lambda: self._with_version(ctx.blocks, kind.fwd_version,
-                                           row["fwd_version"][s], forward)
-      with jax.named_scope(PHASE["forward"]):
-        y, aux, entry = _only_if(f_ok, compute) if gaps[0] else compute()
-      entry = {**entry, "aux": aux}
-      if kind.head_version is not None:
-        with jax.named_scope(PHASE["head"]):
-          last = row["fwd"][self.num_stages - 1]
-          last_ok = self._valid(ctx, last)
-          # psum of the last stage's output (zeros elsewhere): a broadcast that
-          # also makes every stage's head wait for every stage's forward.
-          h = lax.psum(jnp.where(ctx.is_last, y, zeros(y)), STAGE)
-          loss_h, g_sh, g_head = self._head(ctx, ctx.shared[kind.head_version], h,
-                                            ctx.targets[jnp.maximum(last, 0)])
-          a = kind.head_acc
-          accs[a] = (accs[a][0], jax.tree.map(
-              lambda acc, g: acc + jnp.where(last_ok, g, zeros(g)).astype(acc.dtype),
-              accs[a][1], g_sh))
-          losses = losses.at[a].add(jnp.where(last_ok & ctx.is_last, loss_h, 0.0))
-          if plan.head_stash:
-            entry["dh"] = make_varying(g_head).astype(x_in.dtype)
-      if plan.head_stash and "dh" not in entry:
-        entry["dh"] = zeros(x_in)
-      # Written before the backward reads: on the last stage the backward is
-      # this very microbatch. Outside any cond: XLA copies a buffer that a
-      # conditional reads and the loop body then writes.
-      with jax.named_scope(PHASE["forward"]):
-        slot_f = self._slot(ctx, f, row["fwd_slot"][s])
-        stash = jax.tree.map(
-            lambda r, v: lax.dynamic_update_index_in_dim(r, v.astype(r.dtype), slot_f, 0),
-            stash, entry)
-      send_f = jnp.where(f_ok, y, zeros(y)).astype(c.fwd_buf.dtype)
-
-    if kind.bwd:
-      b = row["bwd"][s]
-      b_ok = self._valid(ctx, b)
-      slot = self._slot(ctx, b, row["bwd_slot"][s])
-      if plan.head_stash:
-        top = None
-      else:  # the head ran this tick, or the last stage has no backward in it
-        top = zeros(c.bwd_buf) if g_head is None else g_head.astype(c.bwd_buf.dtype)
-      # Accumulators this tick's backwards may add into (the plan's, or all).
-      targets = [a for a in range(plan.num_accumulators)
-                 if kind.bwd_version is None or kind.bwd_version == a]
-      block_accs = tuple(accs[a][0] for a in targets)
-
-      def backward_and_add(valid=True):
-        entry = jax.tree.map(
-            lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False), stash)
-        g_top = (entry["dh"] if top is None else top).astype(c.bwd_buf.dtype)
-        g_y = jnp.where(ctx.is_last, g_top, c.bwd_buf)
-        g_aux = make_varying(jnp.ones((), entry["aux"].dtype))
-
-        def backward(blocks):
-          if self.stash_mode == "residuals":
-            pull = _rebuild_vjp(ctx.layout, entry["res"], blocks)
-          else:
-            _, pull = jax.vjp(fns.stage, blocks, entry["x"])
-          return pull((g_y, g_aux))
-
-        g_blocks, g_x = self._with_version(ctx.blocks, kind.bwd_version,
-                                           row["bwd_version"][s], backward)
-        new = []
-        for a, acc in zip(targets, block_accs):
-          mine = valid if kind.bwd_version is not None else valid & (row["acc"][s] == a)
-          new.append(jax.tree.map(
-              lambda t, g: t + jnp.where(mine, g, zeros(g)).astype(t.dtype), acc, g_blocks))
-        g_x = jnp.where(valid, g_x, zeros(g_x))
-        return tuple(new), g_x.astype(c.bwd_buf.dtype), entry["aux"]
-
-      # As for the forward: an empty slot runs no backward and adds nothing
-      # (the accumulators are updated inside the branch, in place).
-      with jax.named_scope(PHASE["backward"]):
-        if gaps[1]:
-          block_accs, g_x, aux_b = lax.cond(
-              b_ok, backward_and_add,
-              lambda: (block_accs, zeros(c.bwd_buf), make_varying(jnp.zeros((), jnp.float32))))
-        else:  # every slot is filled, but for the previous batch's in 2bw's first step
-          block_accs, g_x, aux_b = backward_and_add(b_ok)
+      g_blocks, g_x = self._with_version(ctx.blocks, kind.bwd_version, row["bwd_version"][s],
+                                         backward)
+      new = []
       for a, acc in zip(targets, block_accs):
-        accs[a] = (acc, accs[a][1])
-        mine = b_ok if kind.bwd_version is not None else b_ok & (row["acc"][s] == a)
-        losses = losses.at[a].add(jnp.where(mine, aux_b, 0.0))
-      if kind.embed_acc is not None:
-        with jax.named_scope(PHASE["embed_grad"]):
-          b0 = row["bwd"][0]
-          g0 = lax.psum(jnp.where(ctx.is_first & b_ok, g_x, zeros(g_x)), STAGE)
-          sh = ctx.shared[kind.embed_grad_version]
-          rows = self._local_vocab(sh)
-          tok = ctx.tokens[jnp.maximum(b0, 0)]
-          _, pull_e = jax.vjp(lambda t: _vocab.masked_lookup(fns.embed, t, tok, ctx.offset, rows), sh)
-          (g_e,) = pull_e(make_varying(g0).astype(g_x.dtype))
-          a = kind.embed_acc
-          # No mask here: g0 is zero for an empty slot, and `acc + scatter(0)`
-          # is what XLA turns into a scatter-add into the accumulator.
-          accs[a] = (accs[a][0], jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype),
-                                              accs[a][1], g_e))
-      send_b = g_x
-    return stash, send_f, send_b, tuple(accs), losses
+        mine = valid if kind.bwd_version is not None else valid & (row["acc"][s] == a)
+        new.append(jax.tree.map(lambda t, g: t + jnp.where(mine, g, zeros(g)).astype(t.dtype),
+                                acc, g_blocks))
+      g_x = jnp.where(valid, g_x, zeros(g_x))
+      return tuple(new), g_x.astype(c.bwd_buf.dtype), entry["aux"]
+
+    # As for the forward: an empty slot runs no backward and adds nothing
+    # (the accumulators are updated inside the branch, in place).
+    if gap:
+      block_accs, g_x, aux_b = lax.cond(
+          b_ok, backward_and_add,
+          lambda: (block_accs, zeros(c.bwd_buf), make_varying(jnp.zeros((), jnp.float32))))
+    else:  # every slot is filled, but for the previous batch's in 2bw's first step
+      block_accs, g_x, aux_b = backward_and_add(b_ok)
+    for a, acc in zip(targets, block_accs):
+      accs[a] = (acc, accs[a][1])
+      mine = b_ok if kind.bwd_version is not None else b_ok & (row["acc"][s] == a)
+      losses = losses.at[a].add(jnp.where(mine, aux_b, 0.0))
+    return g_x, accs, losses
+
+  def _embed_grad_step(self, ctx: _Ctx, carry: TickCarry, grads_x0: list) -> TickCarry:
+    """The carry with the step's embedding gradients added, once for all of stage 0's backwards.
+
+    `grads_x0` holds, per run of ticks, stage 0's input cotangent of each
+    tick (None for runs without a backward). Each is scattered into the rows
+    of its microbatch's tokens in the accumulator the plan names; with a
+    split vocabulary, after one broadcast from stage 0 to every stage, each
+    of which adds into its own rows.
+    """
+    e = self.step_embedding
+    if not len(e.backwards):
+      return carry
+    with jax.named_scope(PHASE["embed_grad"]):
+      starts = np.cumsum([0] + [t1 - t0 for _, t0, t1 in self.plan.segments()])
+      pieces = []
+      for t in e.grad_ticks:
+        seg = int(np.searchsorted(starts, t, side="right") - 1)
+        pieces.append(grads_x0[seg][t - starts[seg]])
+      g0 = jnp.stack(pieces)                                          # [n, b, t, ...]
+      if self.split:
+        g0 = lax.psum(g0, STAGE)  # stage 0's cotangents, to every stage's rows
+      tokens = ctx.tokens[jnp.asarray(np.maximum(e.backwards, 0))]
+      # A lookup's gradient depends on the table's shape, not its values: any
+      # version serves.
+      _, pull = jax.vjp(lambda t: self._lookup(ctx, t, tokens), ctx.shared[0])
+      accs = list(carry.accs)
+      for a in sorted({int(x) for x in e.grad_accs}):
+        mine = jnp.asarray(e.grad_accs == a).reshape((-1,) + (1,) * (g0.ndim - 1))
+        (g_e,) = pull(make_varying(jnp.where(mine, g0, jnp.zeros_like(g0))))
+        # No validity mask: an empty slot's cotangent is zero, and
+        # `acc + scatter(0)` is what XLA turns into a scatter-add in place.
+        accs[a] = (accs[a][0], jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype),
+                                            accs[a][1], g_e))
+      return carry._replace(accs=tuple(accs))
 
   @staticmethod
   def _with_version(versions: tuple, static: Optional[int], dynamic: jax.Array, fn):
@@ -586,25 +736,35 @@ class Engine:
     m, num_stages = tokens.shape[0], self.num_stages
     s = self._stage_index()
     is_first, is_last = s == 0, s == num_stages - 1
-    offset = s * self._local_vocab(shared)
     blocks, shared = make_varying(self.fns.prepare(blocks)), make_varying(shared)
+    offset = s * self._local_vocab(shared) if self.split else jnp.int32(0)
+    ctx = _Ctx(stage=s, is_first=is_first, is_last=is_last, offset=offset, blocks=(blocks,),
+               shared=(shared,), tokens=tokens, targets=targets, has_history=jnp.asarray(True),
+               slot_base=jnp.asarray(0), layout=None, x0=None)
+    x0 = self._lookup(ctx, shared, tokens)
+    if self.split:
+      x0 = lax.psum(x0, STAGE)
     to_next, _ = self._sends()
     ticks = jnp.arange(m + num_stages - 1)
+
+    def head_loss(h, tgt):
+      return _vocab.chunked_cross_entropy(self.fns.logits, shared, h, tgt, offset,
+                                          self.fns.vocab_size, STAGE if self.split else None,
+                                          self.fns.loss_chunk)
 
     def tick(c, t):
       buf, total = c
       f, last = t - s, t - (num_stages - 1)
       f_ok, last_ok = (f >= 0) & (f < m), (last >= 0) & (last < m)
-      part = _vocab.masked_lookup(self.fns.embed, shared, tokens[jnp.clip(t, 0, m - 1)], offset,
-                                  self._local_vocab(shared))
-      x0 = lax.psum(part, STAGE).astype(buf.dtype)
-      x = jnp.where(f_ok, jnp.where(is_first, x0, buf), jnp.zeros_like(buf))
+      x = jnp.where(f_ok, jnp.where(is_first, x0[jnp.clip(t, 0, m - 1)].astype(buf.dtype), buf),
+                    jnp.zeros_like(buf))
       y, aux = self.fns.stage(blocks, x)
       y = y.astype(buf.dtype)
-      h = lax.psum(jnp.where(is_last, y, jnp.zeros_like(y)), STAGE)
-      loss = _vocab.chunked_cross_entropy(self.fns.logits, shared, h,
-                                          targets[jnp.clip(last, 0, m - 1)], offset,
-                                          self.fns.vocab_size, STAGE, self.fns.loss_chunk)
+      tgt = targets[jnp.clip(last, 0, m - 1)]
+      if self.split:
+        loss = head_loss(lax.psum(jnp.where(is_last, y, jnp.zeros_like(y)), STAGE), tgt)
+      else:
+        loss = _only_if(is_last, lambda: head_loss(y, tgt))
       total = total + jnp.where(f_ok, aux, 0.0) + jnp.where(last_ok & is_last, loss, 0.0)
       return (lax.ppermute(y, STAGE, to_next), total), None
 

@@ -385,6 +385,10 @@ def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformat
   """Returns the schedule called `name` on `mesh` (see module docstring).
 
   Keyword arguments: `stash` ('inputs' or 'residuals', see `Engine`);
+  `vocab_parallel` (default True: the embedding and the output layer split
+  over the stages by vocabulary, every stage computing its slice of each
+  head; False: both whole on every stage, the embedding looked up on the
+  first stage and the head computed on the last, with no collective per tick);
   `shard_optimizer` (default True: ZeRO-1, the optimizer's parameter-shaped
   state split over 'data', see `Schedule.opt_param_specs`); `expert_parallel`
   (default True: in a pipelined schedule on D > 1 replicas, the leaves that

@@ -1,0 +1,115 @@
+"""jaxpipe.account: a profiler trace read back per device, phase, collective, wait and gap.
+
+A synthetic trace (the events XLA's CPU runtime writes, with made-up times)
+checks the arithmetic exactly; a real trace of a small pipelined step checks
+that the parts add up to the step the host measured.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe import account
+
+HLO = """
+HloModule jit_step
+
+%body (p: f32[4]) -> f32[4] {
+  %fusion.1 = f32[4]{0} fusion(%p), kind=kLoop, calls=%fc, metadata={op_name="jit(step)/shard_map/while/body/pipe_forward/mul"}
+  %all-reduce.2 = f32[4]{0} all-reduce(%fusion.1), channel_id=1, replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(step)/pipe_head/psum"}
+  %fusion.3 = f32[4]{0} fusion(%all-reduce.2), kind=kLoop, calls=%fc2, metadata={op_name="jit(step)/pipe_backward/transpose(jvp(pipe_forward/mul))"}
+  ROOT %collective-permute.4 = f32[4]{0} collective-permute(%fusion.3), channel_id=2, source_target_pairs={{0,1},{1,0}}, metadata={op_name="jit(step)/pipe_send/ppermute"}
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %while.5 = f32[4]{0} while(%a), condition=%cond, body=%body
+  ROOT %copy.6 = f32[4]{0} copy(%while.5)
+}
+"""
+
+
+def _op(ts, dur, name, device, run, tid):
+  return {"ph": "X", "ts": ts, "dur": dur, "name": name, "tid": tid,
+          "args": {"device_ordinal": str(device), "hlo_op": name, "run_id": run}}
+
+
+def test_hlo_ops_name_each_instructions_opcode_and_outermost_phase():
+  ops = account.hlo_ops(HLO)
+  assert ops["fusion.1"] == ("fusion", "forward")
+  assert ops["all-reduce.2"] == ("all-reduce", "head")
+  # A backward operation carries its forward's scope inside transpose(...).
+  assert ops["fusion.3"] == ("fusion", "backward")
+  assert ops["collective-permute.4"] == ("collective-permute", "send")
+  assert ops["while.5"] == ("while", "other") and ops["copy.6"] == ("copy", "other")
+
+
+def test_account_adds_up_and_splits_collectives_into_moving_and_waiting():
+  events = []
+  # Step "a" (the first traced: only its end counts) and step "b", two devices.
+  for d, tid in ((0, 10), (1, 20)):
+    events.append(_op(0, 50, "copy.6", d, "a", tid))
+  # Step b starts at 100 on device 0 and 110 on device 1 (the host gap is
+  # 100 - 50 = 50 on both), and ends at 300.
+  events += [
+      _op(100, 200, "while.5", 0, "b", 10),            # a container: not counted itself
+      _op(100, 40, "fusion.1", 0, "b", 10),
+      _op(140, 30, "all-reduce.2", 0, "b", 10),        # 20 of it waiting
+      {"ph": "X", "ts": 142, "dur": 20, "name": "Wait: pending_threads=1/2", "tid": 10},
+      _op(170, 60, "fusion.3", 0, "b", 10),
+      _op(250, 50, "collective-permute.4", 0, "b", 10),  # 230-250 idle before it
+      _op(110, 60, "fusion.1", 1, "b", 20),
+      _op(170, 10, "all-reduce.2", 1, "b", 20),
+      _op(180, 100, "fusion.3", 1, "b", 20),
+      _op(280, 20, "collective-permute.4", 1, "b", 20),
+  ]
+  result = account.account(events, HLO, completions=[0.0, 240e-6])
+  [step] = result["steps"]
+  assert step["span_us"] == 200 and step["host_gap_us"] == 50 and step["interval_us"] == 250
+  assert step["measured_us"] == pytest.approx(240)
+  dev0, dev1 = step["devices"][0], step["devices"][1]
+  assert dev0 == {"forward": 40, "head collective": 10, "head wait": 20, "backward": 60,
+                  "send collective": 50, "idle": 20, "host gap": 50}
+  # Device 1 started 10 late: that is idle inside the step.
+  assert dev1 == {"forward": 60, "head collective": 10, "backward": 100,
+                  "send collective": 20, "idle": 10, "host gap": 50}
+  for parts in (dev0, dev1):
+    assert sum(parts.values()) == step["interval_us"]
+  summary = account.summarise(result)
+  assert summary["devices"][0]["backward"] == 60 and summary["interval_us"] == 250
+  assert account.parts_in_order(dev0)[:2] == ["forward", "head collective"]
+  assert account.parts_in_order(dev0)[-2:] == ["idle", "host gap"]
+
+
+def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
+  """A real trace of a 2-stage 1f1b step: the parts of each device sum to its interval,
+  the named phases show up, and the trace's interval agrees with the host's clock.
+  """
+  from tests import _pipeline_util as util  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  m = 4
+  sch = make_schedule("1f1b", util.stage_fns(), util.optimizer("adamw"), make_mesh(2, 1), m,
+                      stash="residuals")
+  state = [sch.init(jax.tree.map(jnp.asarray, util.initial_params()), (m, util.ROWS, util.SEQ))]
+  tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in util.batches(m)[0])
+  compiled = sch.lower_step(state[0], tok, tgt).compile()
+
+  def step():
+    state[0], met = compiled(state[0], tok, tgt)
+    return met
+
+  jax.block_until_ready(step())
+  done = account.profile_steps(step, jax.block_until_ready, 4, str(tmp_path))
+  result = account.account(account.read_trace(str(tmp_path)), compiled.as_text(), done)
+  assert len(result["steps"]) == 3
+  for s in result["steps"]:
+    assert sorted(s["devices"]) == [0, 1]
+    for parts in s["devices"].values():
+      assert sum(parts.values()) == pytest.approx(s["interval_us"], rel=1e-9)
+      assert parts["forward"] > 0 and parts["backward"] > 0 and parts["head"] > 0
+      assert parts.get("send collective", 0) + parts.get("send wait", 0) > 0
+    # The trace's clock and the host's: the same interval, within the host's
+    # scheduling noise on a busy machine.
+    assert s["interval_us"] == pytest.approx(s["measured_us"], rel=0.5)
+  med = np.median([s["interval_us"] for s in result["steps"]])
+  assert med > 0
