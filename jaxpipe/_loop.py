@@ -149,6 +149,9 @@ class Profile:
 class Signals:
   """SIGTERM and SIGINT ask the loop to stop after the current step; a second one stops now.
 
+  The second raises KeyboardInterrupt(its signal number), so that the command
+  can exit as that signal would have ended it.
+
   A context manager: the handlers are installed on entry (where this is the
   main thread; elsewhere signals are left alone) and restored on exit.
   """
@@ -160,7 +163,8 @@ class Signals:
   def _on_signal(self, signum, frame):
     del frame
     if self.received:  # a second signal: stop now
-      raise KeyboardInterrupt
+      self.received.append(signum)
+      raise KeyboardInterrupt(signum)
     self.received.append(signum)
 
   @property

@@ -40,10 +40,21 @@ from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
 from jaxpipe.pipeline import Schedule, StageFns, expert_exchange, make_mesh, make_schedule
 
-__all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED"]
+__all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED", "EXIT_SIGNAL"]
 
+# Exit statuses (2, bad input, is every command's: jaxpipe.errors). A requeue
+# loop must tell a stop that saved from one that did not, so they differ:
 EXIT_NONFINITE = 3          # stopped on a non-finite loss or gradient (nan_policy=stop)
-EXIT_INTERRUPTED = 128      # plus the signal number (130 for Ctrl-C, 143 for SIGTERM)
+# SIGTERM/SIGINT stopped the run after a checkpoint was saved: rerun the same
+# command to resume. sysexits.h's EX_TEMPFAIL ("a temporary failure: try
+# again"), which is what a preemption is; below 128, so no shell or scheduler
+# reads it as a death by a signal.
+EXIT_INTERRUPTED = 75
+# Plus the signal number (130 for Ctrl-C, 143 for SIGTERM): a second signal
+# stopped the run at once, without saving (the next start resumes from the
+# checkpoint before). As a shell reports a death by that signal, since that
+# is what it was.
+EXIT_SIGNAL = 128
 
 
 @dataclasses.dataclass
@@ -184,9 +195,9 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   also over the records of an earlier attempt of the same config that
   stopped before its first checkpoint. `require_resume` makes a missing
   checkpoint an error. Raises InputError subclasses for bad input;
-  KeyboardInterrupt on a second SIGINT/SIGTERM (without waiting for a save
-  in progress); returns with summary["exit_code"] 0, EXIT_NONFINITE or
-  EXIT_INTERRUPTED+signal.
+  KeyboardInterrupt(signal number) on a second SIGINT/SIGTERM (without
+  waiting for a save in progress); returns with summary["exit_code"] 0,
+  EXIT_NONFINITE or EXIT_INTERRUPTED.
   """
   run = build(cfg, devices)
   init_params = None
@@ -462,7 +473,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
           saves.save(done, wait=True, crash_point=False)
           _say(f"interrupted by {signal.Signals(signals.stop).name} after step {done} of "
                f"{steps}: checkpoint saved in {ckpt.directory}; run the same command to resume")
-          report.summary["exit_code"] = EXIT_INTERRUPTED + signals.stop
+          report.summary["exit_code"] = EXIT_INTERRUPTED
           break
       else:
         if pending is not None and not report.settle(*pending):

@@ -88,24 +88,46 @@ def test_kills_at_every_moment_continue_exactly(tmp_path, cache, reference):
   assert not [e for e in errs if "Traceback" in e], errs
 
 
-def test_a_second_signal_stops_at_once_without_a_traceback(tmp_path, cache):
-  run_dir = str(tmp_path / "run")
-  proc = _runs.start(run_dir, *KILLED, "run.steps=400", cache_dir=cache)
+def _interrupted(run_dir, cache, *signals):
+  """Starts a long run of the tiny config, sends `signals` once it has two records.
+
+  Returns (exit status, stderr). The exit status does not depend on the
+  schedule; what 2bw saves and resumes, test_kills_at_every_moment_continue_exactly
+  and test_train.py's SIGTERM test check.
+  """
+  proc = _runs.start(run_dir, "run.steps=400", cache_dir=cache)
   try:
     assert _runs.wait_for(lambda: len(_runs.train_losses(run_dir)) >= 2, timeout=240)
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.05)  # two pending signals of one kind would arrive as one
-    proc.send_signal(signal.SIGINT)
+    for sig in signals:  # two of one kind pending at once would arrive as one
+      proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
   finally:
     if proc.poll() is None:
       proc.kill()
-  # The second signal lands while the first one's save runs (130), or after
-  # the process has saved and left (128 + SIGTERM); never a traceback.
-  assert proc.returncode in (130, 128 + signal.SIGTERM), err
+  return proc.returncode, err
+
+
+def test_an_interrupt_saves_and_exits_with_the_resume_status(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  status, err = _interrupted(run_dir, cache, signal.SIGINT)
+  assert status == trainer.EXIT_INTERRUPTED == 75, err
   assert "Traceback" not in err, err
-  if proc.returncode == 130:
-    assert "stopped at once by an interrupt, without saving" in err
+  said = [l for l in err.splitlines() if l.startswith("interrupted by SIGINT after step ")]
+  assert len(said) == 1 and "checkpoint saved" in said[0], err
+  stopped_at = int(said[0].split()[5])
+  assert _runs.checkpoints(run_dir) == [stopped_at] and stopped_at >= 2
+
+
+def test_a_second_signal_stops_at_once_without_saving(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  status, err = _interrupted(run_dir, cache, signal.SIGTERM, signal.SIGINT)
+  # Both land before the first one's save is done; whichever is handled
+  # second stops the run, with the status of a death by that signal.
+  assert status in (trainer.EXIT_SIGNAL + signal.SIGINT, trainer.EXIT_SIGNAL + signal.SIGTERM), err
+  assert status != trainer.EXIT_INTERRUPTED
+  assert "stopped at once by an interrupt, without saving" in err
+  assert "Traceback" not in err, err
+  assert _runs.checkpoints(run_dir) == []
 
 
 def test_records_of_another_config_without_a_checkpoint_are_refused(tmp_path, cache):

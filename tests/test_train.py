@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+from jaxpipe import trainer
 from tests import _runs
 
 CONFIGS = sorted(glob.glob(os.path.join(_runs.ROOT, "configs", "*.yaml")))
@@ -110,7 +111,7 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, cache, reference):
   finally:
     if proc.poll() is None:
       proc.kill()
-  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert proc.returncode == trainer.EXIT_INTERRUPTED == 75, err
   assert "interrupted by SIGTERM" in err and "Traceback" not in err
   stopped_at = _runs.checkpoints(run_dir)[-1]
   assert 0 < stopped_at < 30

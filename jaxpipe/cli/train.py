@@ -4,10 +4,12 @@
   jaxpipe-train --config configs/quickstart.yaml [section.key=value ...]   (installed)
 
 Running the same command again resumes from the newest checkpoint in run.dir;
-a larger run.steps continues a finished run. Exit status: 0 done, 2 bad input
-(one line on stderr), 3 stopped on a non-finite loss (nan_policy=stop),
-128+signal when SIGTERM/SIGINT stopped it after saving a checkpoint, 130 when
-a second signal stopped it at once.
+a larger run.steps continues a finished run; --resume refuses to start one
+that has no checkpoint. Exit status: 0 done; 2 bad input (one line on stderr,
+nothing created); 3 stopped on a non-finite loss (nan_policy=stop); 75
+stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to resume);
+128+signal stopped at once by a second signal, without saving (130 for
+Ctrl-C).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 
 
@@ -46,14 +49,17 @@ def main(argv=None) -> int:
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
-    # A second SIGINT/SIGTERM, or Ctrl-C before training began: stop at once.
-    # Exiting without the interpreter's shutdown leaves a save in progress
-    # unfinished (the next start ignores it) instead of tracing back from it.
+  except KeyboardInterrupt as e:
+    # A second SIGINT/SIGTERM (the loop's handler gives its number), or Ctrl-C
+    # before training began: stop at once. Exiting without the interpreter's
+    # shutdown leaves a save in progress unfinished (the next start ignores
+    # it) instead of tracing back from it.
+    signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
     print("stopped at once by an interrupt, without saving; run the same command to resume "
           "from the last checkpoint", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(130)  # pylint: disable=protected-access
+    # trainer.EXIT_SIGNAL + the signal, written out: trainer may not be imported yet.
+    os._exit(128 + signum)  # pylint: disable=protected-access
   if summary["is_main"]:
     print(trainer.format_summary(summary), flush=True)
     if summary["exit_code"] == 0:
