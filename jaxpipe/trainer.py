@@ -199,6 +199,10 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   waiting for a save in progress); returns with summary["exit_code"] 0,
   EXIT_NONFINITE or EXIT_INTERRUPTED.
   """
+  checkpoints = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
+  if require_resume and not os.path.isdir(checkpoints):
+    # Refused before anything is built or written: a refused run creates nothing.
+    raise CheckpointError(f"--resume: no checkpoint in {checkpoints}")
   run = build(cfg, devices)
   init_params = None
   if (run.cfg.model.init_from and not require_resume

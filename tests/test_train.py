@@ -1,6 +1,7 @@
 """End-to-end runs of train.py on the tiny config: its documented contract (metrics.jsonl, run directory, exit codes, resume)."""
 
 import glob
+import json
 import os
 import shutil
 import signal
@@ -165,6 +166,81 @@ def test_config_that_is_a_directory_exits_2_with_one_line(tmp_path, cache):
   lines = p.stderr.strip().splitlines()
   assert len(lines) == 1 and "is a directory" in lines[0], p.stderr
   assert not run_dir.exists()
+
+
+def _tree(path):
+  """Every file and folder under path, relative to it."""
+  return sorted(os.path.relpath(os.path.join(d, n), path)
+                for d, dirs, files in os.walk(path) for n in dirs + files)
+
+
+NOT_CONFIGS = {
+    # An executable, as `--config /bin/ls` gives: not UTF-8 text.
+    "binary": (b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8, "not a text file"),
+    # A run on every default is never what an empty file meant.
+    "empty": (b"", "holds no settings"),
+    "only comments": (b"# run:\n#   steps: 5\n", "holds no settings"),
+}
+
+
+@pytest.mark.parametrize("kind", NOT_CONFIGS)
+def test_a_config_file_that_is_not_a_config_exits_2_and_creates_nothing(tmp_path, cache, kind):
+  content, said = NOT_CONFIGS[kind]
+  path = tmp_path / "config.yaml"
+  path.write_bytes(content)
+  p = _runs.run(str(tmp_path / "run"), cache_dir=cache, config=str(path))
+  assert p.returncode == 2, p.stderr
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and str(path) in lines[0], p.stderr
+  assert said in lines[0]
+  assert _tree(tmp_path) == ["config.yaml"]
+
+
+def test_an_explicit_empty_mapping_means_every_default(tmp_path):
+  from jaxpipe import config  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "defaults.yaml"
+  path.write_text("{}\n")
+  assert config.load(str(path)) == config.Config()
+
+
+@pytest.mark.parametrize("where", ["a new directory", "a directory without checkpoints"])
+def test_resume_without_a_checkpoint_exits_2_and_creates_nothing(tmp_path, cache, where):
+  run_dir = tmp_path / "run"
+  if where == "a directory without checkpoints":
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine\n")
+  before = _tree(tmp_path)
+  p = _runs.run(str(run_dir), "--resume", cache_dir=cache)
+  assert p.returncode == 2, p.stderr
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: --resume: no checkpoint in "), p.stderr
+  assert _tree(tmp_path) == before
+
+
+def test_help_lists_every_config_key_with_its_default():
+  from jaxpipe import config  # pylint: disable=g-import-not-at-top
+  p = subprocess.run([sys.executable, _runs.TRAIN, "--help"], capture_output=True, text=True,
+                     timeout=60, cwd=_runs.ROOT)
+  assert p.returncode == 0, p.stderr
+  assert "--resume" in p.stdout and "75" in p.stdout
+
+  def sections(tree, prefix=""):
+    keys = {k: v for k, v in tree.items() if not isinstance(v, dict)}
+    yield prefix, keys
+    for k, v in tree.items():
+      if isinstance(v, dict):
+        yield from sections(v, f"{prefix}{k}.")
+
+  lines = p.stdout.splitlines()
+  for name, keys in sections(config.to_dict(config.Config())):
+    if not name:
+      continue
+    at = lines.index(f"{name[:-1]}:")
+    block = lines[at + 1:at + 1 + len(keys)]
+    assert [l.split(":")[0].strip() for l in block] == list(keys), (name, block)
+    for line, (key, default) in zip(block, keys.items()):
+      assert line.startswith(f"  {key}: {json.dumps(default)}"), line
+  assert "  steps: 100  # optimizer steps" in p.stdout  # the field's own comment comes along
 
 
 def test_mismatched_resume_is_refused_and_nothing_is_lost(tmp_path, cache, pulse):
