@@ -40,7 +40,8 @@ from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
 from jaxpipe.pipeline import Schedule, StageFns, expert_exchange, make_mesh, make_schedule
 
-__all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED", "EXIT_SIGNAL"]
+__all__ = ["Run", "build", "train", "schedule_change", "EXIT_NONFINITE", "EXIT_INTERRUPTED",
+           "EXIT_SIGNAL"]
 
 # Exit statuses (2, bad input, is every command's: jaxpipe.errors). A requeue
 # loop must tell a stop that saved from one that did not, so they differ:
@@ -316,6 +317,28 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   return new_state, data_state
 
 
+def schedule_change(cfg: Config, saved_steps: Optional[int], step: int) -> Optional[str]:
+  """What resuming at `step` with cfg.run.steps in place of `saved_steps` does to the rate.
+
+  A cosine or wsd schedule spans run.steps, so another run.steps re-spans it
+  from the start and the rate of the steps still to run changes (a constant
+  schedule's does not: its warmup, the only part that has a length, must
+  match the checkpoint). One line naming the old and the new horizon, or
+  None when nothing changes.
+  """
+  new_steps, kind = cfg.run.steps, cfg.optimizer.schedule
+  if saved_steps is None or saved_steps == new_steps or kind == "constant":
+    return None
+  rate = lambda steps: float(optim.learning_rate_schedule(cfg.optimizer, steps)(step))
+  old, new = rate(saved_steps), rate(new_steps)
+  if f"{old:.3g}" != f"{new:.3g}":
+    then = f"the rate at step {step} changes from {old:.3g} to {new:.3g}"
+  else:
+    then = f"the rate at step {step} stays {new:.3g}, later ones change"
+  return (f"run.steps {saved_steps} -> {new_steps}: the {kind} schedule now spans "
+          f"{new_steps} steps instead of {saved_steps}; {then}")
+
+
 def _read_init_from(cfg: Config) -> Any:
   """model.init_from's weights (numpy, natural shapes), checked against cfg.model."""
   from jaxpipe import hf  # pylint: disable=g-import-not-at-top
@@ -391,6 +414,9 @@ def _begin(run: Run, ckpt: Checkpointer, require_resume: bool, init_params: Any)
     start = latest
     if is_main:
       _say(f"resuming from {ckpt.directory}/{latest} (step {latest} of {cfg.run.steps})")
+      change = schedule_change(cfg, meta.get("config", {}).get("run", {}).get("steps"), latest)
+      if change:
+        _say(change)
   elif restart and is_main:
     _say(f"no checkpoint in {ckpt.directory}: the earlier attempt stopped before its first "
          "one was saved; starting over from step 0")

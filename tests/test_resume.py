@@ -146,6 +146,35 @@ def test_a_bad_kill_point_is_refused(tmp_path, cache):
   assert p.returncode == 2 and "run.debug_kill must be MOMENT:STEP" in p.stderr
 
 
+def test_a_resume_that_respans_the_schedule_says_so(tmp_path, cache, capsys):
+  run_dir = str(tmp_path / "run")
+  _train(run_dir, "run.steps=2", "optimizer.schedule=cosine")
+  capsys.readouterr()
+  _train(run_dir, "run.steps=4", "optimizer.schedule=cosine")
+  said = [l for l in capsys.readouterr().err.splitlines() if "schedule now spans" in l]
+  # tiny.yaml: lr 3e-3, floor 0.1 of it. Step 2 was the end of a 2-step cosine
+  # (the floor); of 4 steps it is the middle: 3e-4 + 2.7e-3 / 2.
+  assert said == ["run.steps 2 -> 4: the cosine schedule now spans 4 steps instead of 2; "
+                  "the rate at step 2 changes from 0.0003 to 0.00165"]
+  lr = {r["step"]: r["lr"] for r in _runs.records(run_dir) if "loss" in r}
+  assert lr[2] == pytest.approx(1.65e-3, rel=1e-6)
+
+
+def test_schedule_change_names_what_a_new_horizon_does():
+  def cfg(schedule, steps):
+    return config.load(_runs.TINY, [f"optimizer.schedule={schedule}", f"run.steps={steps}"])
+  assert trainer.schedule_change(cfg("constant", 20), 10, 10) is None
+  assert trainer.schedule_change(cfg("cosine", 10), 10, 10) is None
+  assert trainer.schedule_change(cfg("cosine", 20), None, 10) is None  # no run.steps saved
+  # wsd decays over its last 20%: extended while stable, only later rates change.
+  assert trainer.schedule_change(cfg("wsd", 100), 50, 20) == (
+      "run.steps 50 -> 100: the wsd schedule now spans 100 steps instead of 50; "
+      "the rate at step 20 stays 0.003, later ones change")
+  assert trainer.schedule_change(cfg("wsd", 100), 50, 50) == (
+      "run.steps 50 -> 100: the wsd schedule now spans 100 steps instead of 50; "
+      "the rate at step 50 changes from 0.0003 to 0.003")
+
+
 # --- resuming on another mesh -------------------------------------------------------
 
 
