@@ -46,8 +46,8 @@ class RunConfig:
   dir: str = "runs/default"      # metrics.jsonl, config, checkpoints go here
   steps: int = 100               # optimizer steps (batches) in the whole run
   seed: int = 0                  # parameter init and data order
-  log_every: int = 1             # steps between progress-bar refreshes
-  progress: bool = True          # show a progress bar on stderr
+  log_every: int = 1             # steps between progress updates (bar refreshes, or lines)
+  progress: bool = True          # progress on stderr: a bar on a terminal, else a line every log_every steps
   nan_policy: str = "skip"       # non-finite loss/grad: skip the update, or stop
   debug_nan_step: int = -1       # fault injection: make batch k's loss NaN (-1 = never)
   peak_tflops: float = 0.0       # per-device peak for MFU; 0 = known accelerators' bf16 peak

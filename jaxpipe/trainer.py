@@ -9,7 +9,7 @@ those call.
 
 Files in `run.dir`:
   config.yaml    the resolved config (and the git commit that ran it)
-  metrics.jsonl  {"step", "loss", "lr", "tokens", "step_time_s", ...} per batch,
+  metrics.jsonl  {"step", "loss", "lr", "tokens", "epoch", "step_time_s", ...} per batch,
                  {"step", "val_loss"} per evaluation (step = updates done)
   tb/            TensorBoard event files with the same scalars
   checkpoints/   orbax checkpoints (see jaxpipe.checkpoint)
@@ -450,7 +450,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
   report = _loop.Report(cfg, _loop.host_schedule(run.lr_schedule, steps), start,
                         schedule.loss_lag, jax.process_index() == 0, policy, peak_tflops(cfg),
-                        kill)
+                        kill, epoch_sequences=run.data.num_sequences("train", cfg.data.seq_len))
 
   def poison(step: int, batch: dict) -> dict:
     if step == cfg.run.debug_nan_step:
@@ -545,7 +545,9 @@ def format_summary(summary: dict[str, Any]) -> str:
            f"S={cfg.pipeline.stages} D={cfg.mesh.data} M={cfg.pipeline.microbatches}",
            f"{cfg.optimizer.name}"]
   if "train_loss" in summary:
-    parts.append(f"train loss {summary['train_loss']:.4f} (batch {summary['train_loss_step']})")
+    epoch = summary.get("epoch")
+    parts.append(f"train loss {summary['train_loss']:.4f} (batch {summary['train_loss_step']}"
+                 + (f", epoch {epoch:.2f})" if epoch is not None else ")"))
   if summary.get("val_loss") is not None:
     first = summary.get("first_val_loss")
     parts.append(f"val loss {summary['val_loss']:.4f}"

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -38,10 +39,17 @@ def test_every_config_parses(path):
 def pulse(tmp_path_factory, cache):
   """A finished two-step run of the tiny config: (run_dir, the process)."""
   run_dir = str(tmp_path_factory.mktemp("pulse") / "run")
-  return run_dir, _runs.run(run_dir, "run.steps=2", cache_dir=cache)
+  # With progress on, as a user's run has it; its stderr is a pipe, as in a redirected log.
+  return run_dir, _runs.run(run_dir, "run.steps=2", "run.progress=true", cache_dir=cache)
 
 
-def test_pulse(pulse):
+def _kjv(cache):
+  """The embedded corpus the tiny config trains on (already tokenised into `cache`)."""
+  from jaxpipe import data  # pylint: disable=g-import-not-at-top
+  return data.open_tokens(data.prepare_embedded("kjv", "byte", cache))
+
+
+def test_pulse(pulse, cache):
   """Two steps write config, metrics, a checkpoint and a summary line."""
   run_dir, p = pulse
   assert p.returncode == 0, p.stderr
@@ -50,11 +58,18 @@ def test_pulse(pulse):
   nxt = p.stdout[p.stdout.index("next:"):]
   for tool in ("generate.py --run", "plot_loss.py", "export_hf.py --run", "--logdir"):
     assert f"{tool} " in nxt and run_dir in nxt, nxt
+  # The sampling prompt is the opening of the run's own validation text.
+  sample = shlex.split(next(l for l in nxt.splitlines() if "generate.py" in l))
+  prompt = sample[sample.index("--prompt") + 1]
+  data = _kjv(cache)
+  val_text = data.load_tokenizer().decode(data.split("val")[:200].tolist())
+  assert len(prompt.split()) >= 3 and val_text.startswith(prompt), (prompt, val_text[:80])
   recs = _runs.records(run_dir)
   train = [r for r in recs if "loss" in r]
   assert [r["step"] for r in train] == [0, 1]
   for r in train:
-    assert set(r) >= {"step", "loss", "lr", "tokens", "step_time_s"}
+    assert set(r) >= {"step", "loss", "lr", "tokens", "epoch", "step_time_s", "grad_norm",
+                      "skipped"}
     assert np.isfinite(r["loss"]) and r["loss"] > 0
   assert train[1]["tokens"] == 2 * 8 * 32
   assert sorted(_runs.val_losses(run_dir)) == [0, 2]
@@ -64,6 +79,28 @@ def test_pulse(pulse):
   assert yaml.safe_load(text)["model"]["vocab_size"] == 257  # resolved from the byte corpus
   assert _runs.checkpoints(run_dir) == [2]
   assert os.listdir(os.path.join(run_dir, "tb"))
+
+
+def test_epochs_are_passes_over_the_training_split(pulse, cache):
+  """Each record's epoch is (k+1) x batch / the split's sequences; the summary shows it."""
+  run_dir, p = pulse
+  assert p.returncode == 0, p.stderr
+  windows = _kjv(cache).num_sequences("train", 32)
+  train = [r for r in _runs.records(run_dir) if "loss" in r]
+  assert [r["epoch"] for r in train] == [pytest.approx((k + 1) * 8 / windows, rel=1e-5)
+                                         for k in (0, 1)]
+  assert f"epoch {2 * 8 / windows:.2f})" in p.stdout
+
+
+def test_a_redirected_log_has_plain_lines_and_no_carriage_returns(pulse):
+  """Progress where stderr is not a terminal: a line per run.log_every steps, no bar."""
+  run_dir, p = pulse
+  assert p.returncode == 0, p.stderr
+  assert "\r" not in p.stderr and "\r" not in p.stdout
+  lines = [l for l in p.stderr.splitlines() if l.startswith("none step ")]
+  assert [l.split(" | ")[0] for l in lines] == ["none step 1/2", "none step 2/2"], p.stderr
+  assert all(" | loss " in l and " | epoch " in l for l in lines), lines
+  assert "tokens/s" in lines[1]
 
 
 def test_data_parallel_matches_one_device(tmp_path, cache, pulse):

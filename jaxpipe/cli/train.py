@@ -70,7 +70,7 @@ def main(argv=None) -> int:
   if summary["is_main"]:
     print(trainer.format_summary(summary), flush=True)
     if summary["exit_code"] == 0:
-      print(next_steps(cfg.run.dir), flush=True)
+      print(next_steps(cfg.run.dir, sample_prompt(summary["run"].data)), flush=True)
   return summary["exit_code"]
 
 
@@ -86,8 +86,30 @@ def _clone_root():
   return root if os.path.isdir(os.path.join(root, "tools")) else None
 
 
-def next_steps(run_dir: str) -> str:
-  """What a user can do with a finished run (sample, plot, export, view), as commands."""
+def sample_prompt(data, words: int = 4) -> str:
+  """The first few words of a dataset's validation text: a prompt in the run's own language.
+
+  The val split begins at a paragraph or document (tools/prepare_data.py
+  holds out whole ones), so its first words read as the start of a text.
+  """
+  tokenizer = data.load_tokenizer()
+  ids = [int(i) for i in data.split("val")[:64 * words]]
+  while ids and ids[0] == tokenizer.eos_id:
+    ids.pop(0)
+  cut = tokenizer.eos_id not in ids  # the text read may stop inside a word
+  if not cut:  # the first document only
+    ids = ids[:ids.index(tokenizer.eos_id)]
+  found = "".join(c if c.isprintable() else " " for c in tokenizer.decode(ids)).split()
+  chosen = (found[:-1] if cut else found)[:words]
+  # A prompt that ends mid-sentence asks for a continuation, not a new sentence.
+  return " ".join(chosen).rstrip(",;:.!?") or "The"
+
+
+def next_steps(run_dir: str, prompt: str = "The") -> str:
+  """What a user can do with a finished run (sample, plot, export, view), as commands.
+
+  `prompt` is the sampling command's text to continue (`sample_prompt`).
+  """
   root, bindir = _clone_root(), os.path.dirname(sys.executable)
 
   def command(tool: str, script: str) -> str:
@@ -102,7 +124,7 @@ def next_steps(run_dir: str) -> str:
            if root else "pip install 'jaxpipe[tensorboard]'")
   return "\n".join([
       "next:",
-      f"  sample  {command('generate', 'jaxpipe-generate')} --run {d} --prompt 'And God said'",
+      f"  sample  {command('generate', 'jaxpipe-generate')} --run {d} --prompt {shlex.quote(prompt)}",
       f"  plot    {command('plot_loss', 'jaxpipe-plot')} {d} --out {q('loss.png')}",
       f"  export  {command('export_hf', 'jaxpipe-export-hf')} --run {d} --out {q('hf')}"
       "   (a Hugging Face Llama directory)",
