@@ -322,3 +322,26 @@ def test_plot_tool_draws_a_run(tmp_path, pulse):
                         str(tmp_path / "missing"), "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2 and bad.stderr.startswith("error: ")
+
+
+def test_the_own_corpus_example_runs_as_written(tmp_path, cache):
+  """configs/my-corpus.yaml's commands, on a small text file of one's own (the LICENSE)."""
+  path = os.path.join(_runs.ROOT, "configs", "my-corpus.yaml")
+  commands = [shlex.split(l.lstrip("# ")) for l in open(path) if l.startswith("#   .venv/bin/")]
+  assert [c[1] for c in commands] == ["tools/prepare_data.py", "train.py"], commands
+  text = tmp_path / "text.txt"
+  shutil.copy(os.path.join(_runs.ROOT, "LICENSE"), text)
+  out, run_dir = str(tmp_path / "data"), str(tmp_path / "run")
+  mine = {"path/to/your/text.txt": str(text), "data/my-corpus": out}
+  prepare = [sys.executable] + [mine.get(a, a) for a in commands[0][1:]]
+  p = subprocess.run(prepare, capture_output=True, text=True, timeout=120, cwd=_runs.ROOT)
+  assert p.returncode == 0, p.stderr
+  # As written, but for where it writes and how long it runs.
+  train = [sys.executable] + commands[1][1:] + [f"run.dir={run_dir}", f"data.path={out}",
+                                                 "run.steps=2"]
+  p = subprocess.run(train, capture_output=True, text=True, timeout=300, cwd=_runs.ROOT,
+                     env=_runs.env(cache))
+  assert p.returncode == 0, p.stderr
+  losses = _runs.train_losses(run_dir)
+  assert sorted(losses) == [0, 1] and all(np.isfinite(v) for v in losses.values())
+  assert sorted(_runs.val_losses(run_dir)) == [0, 2]
