@@ -13,7 +13,8 @@ of those does lives here:
 - `Feed`: the next batch placed on the devices while the current step runs.
 - `host_schedule`: the learning rate of every step, read on the host.
 - `Report`: reads each step's metrics (one step behind the dispatch), times
-  it, records it, moves the progress bar, and keeps the run's summary.
+  it, records it, shows progress (a bar on a terminal, a plain line every
+  `run.log_every` steps in a redirected log), and keeps the run's summary.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def say(msg: str) -> None:
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   tqdm.write(msg, file=sys.stderr)
   sys.stderr.flush()
+
+
+def _is_terminal(stream: Any) -> bool:
+  """Whether `stream` is a terminal (a file, a pipe or a stream without a descriptor is not)."""
+  try:
+    return stream.isatty()
+  except (AttributeError, ValueError, OSError):
+    return False
 
 
 def kill_at(point: Optional[tuple[str, int]], moment: str, step: int) -> None:
@@ -149,6 +158,9 @@ class Profile:
 class Signals:
   """SIGTERM and SIGINT ask the loop to stop after the current step; a second one stops now.
 
+  The second raises KeyboardInterrupt(its signal number), so that the command
+  can exit as that signal would have ended it.
+
   A context manager: the handlers are installed on entry (where this is the
   main thread; elsewhere signals are left alone) and restored on exit.
   """
@@ -160,7 +172,8 @@ class Signals:
   def _on_signal(self, signum, frame):
     del frame
     if self.received:  # a second signal: stop now
-      raise KeyboardInterrupt
+      self.received.append(signum)
+      raise KeyboardInterrupt(signum)
     self.received.append(signum)
 
   @property
@@ -349,20 +362,25 @@ def host_schedule(schedule: Callable[[Any], Any], steps: int) -> Callable[[int],
 
 
 class Report:
-  """Each step's record: timing, metrics.jsonl, the progress bar and the run's summary.
+  """Each step's record: timing, metrics.jsonl, progress on stderr and the run's summary.
 
   The loop hands over step k's metrics while step k+1 runs (`settle`): the
   host reads them only then, so reading never stalls the device queue.
+  Progress (`run.progress`) is a bar on a terminal; where stderr is a file or
+  a pipe, a bar's carriage-return redraws would fill the log, so a plain line
+  is written every `run.log_every` steps instead.
   """
 
   def __init__(self, cfg: Any, lr_schedule: Callable[[int], float], start: int, lag: int,
                is_main: bool, policy: NonFinitePolicy, peak: Optional[float] = None,
-               kill: Optional[tuple[str, int]] = None):
+               kill: Optional[tuple[str, int]] = None, epoch_sequences: int = 0):
+    """`epoch_sequences`: the sequences in one pass over the training split (0: no epochs)."""
     self.cfg, self.lr_schedule, self.start, self.policy, self.kill = (
         cfg, lr_schedule, start, policy, kill)
     self.log = Metrics(cfg.run.dir, start, lag, is_main)
     self.profile = Profile(cfg.run.profile, cfg.run.dir, is_main)
     self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    self.epoch_sequences = epoch_sequences
     from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
     # Useful model FLOPs per step, spread over every device of the mesh.
     self.flops_per_device = (model_lib.flops_per_token(cfg.model, cfg.data.seq_len)
@@ -375,7 +393,8 @@ class Report:
     self.ready: Optional[float] = None
     self.t_run = time.time()
     self.bar = None
-    if is_main and cfg.run.progress:
+    self.lines = is_main and cfg.run.progress and not _is_terminal(sys.stderr)
+    if is_main and cfg.run.progress and not self.lines:
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top
       self.bar = tqdm(total=cfg.run.steps, initial=start, unit="step", dynamic_ncols=True,
                       file=sys.stderr, desc=f"{cfg.pipeline.schedule}")
@@ -396,17 +415,24 @@ class Report:
       self.log.write({"step": step, "val_loss": loss})
       self.log.val_steps.add(step)
 
+  def epoch(self, k: int) -> Optional[float]:
+    """Passes over the training split once batch k is drawn (fractional), or None."""
+    if not self.epoch_sequences:
+      return None
+    return float(f"{(k + 1) * self.cfg.data.batch_size / self.epoch_sequences:.6g}")
+
   def record(self, k: int, loss: float, extra: dict[str, Any]) -> None:
     """Writes batch k's training record."""
     # The rate comes out of float32 arithmetic: print its 7 significant digits.
     seconds = self.step_times.pop(k, None)
     rec = {"step": k, "loss": loss, "lr": float(f"{self.lr_schedule(k):.7g}"),
-           "tokens": (k + 1) * self.tokens_per_step, "step_time_s": seconds,
-           **self.speed(seconds)}
+           "tokens": (k + 1) * self.tokens_per_step, "epoch": self.epoch(k),
+           "step_time_s": seconds, **self.speed(seconds)}
     rec.update(extra)
     self.log.write(rec)
     self.summary["train_loss"] = loss
     self.summary["train_loss_step"] = k
+    self.summary["epoch"] = rec["epoch"]
     kill_at(self.kill, "record", k)
 
   def settle(self, k: int, met_dev: Any, dispatched: float) -> bool:
@@ -415,7 +441,7 @@ class Report:
     now = time.time()
     # A step's time is the interval between two steps' completions, so time
     # the host spends between steps (and a stalled device) is counted.
-    self.step_times[k] = now - (self.ready if self.ready is not None else dispatched)
+    seconds = self.step_times[k] = now - (self.ready if self.ready is not None else dispatched)
     self.ready = now
     if k > self.start:  # the first step of a process includes compilation
       self.steady[0] += 1
@@ -428,15 +454,33 @@ class Report:
                                           "skipped": self.policy.skipped})
     if not finite and not self.policy.proceed(k, met):
       return False
+    due = j >= 0 and ((k + 1) % self.cfg.run.log_every == 0 or k + 1 == self.cfg.run.steps)
     if self.bar is not None:
-      if j >= 0 and ((k + 1) % self.cfg.run.log_every == 0 or k + 1 == self.cfg.run.steps):
-        fast = self.speed(self.step_times.get(k))
+      if due:
+        fast = self.speed(seconds)
         self.bar.set_postfix(loss=f"{float(met['loss']):.4f}",
                              tok_s=f"{fast.get('tokens_per_s', 0):.0f}",
                              **({"mfu": f"{fast['mfu']:.1%}"} if "mfu" in fast else {}))
       self.bar.update(1)
+    elif self.lines and due:
+      say(self.progress_line(k, j, float(met["loss"]), seconds))
     self.profile.after(k)
     return True
+
+  def progress_line(self, k: int, j: int, loss: float, seconds: Optional[float]) -> str:
+    """The plain progress line after step k (of `seconds`), whose metrics carry batch j's loss."""
+    fast = self.speed(seconds)
+    parts = [f"{self.cfg.pipeline.schedule} step {k + 1}/{self.cfg.run.steps}",
+             f"loss {loss:.4f}" + (f" (batch {j})" if j != k else ""),
+             f"lr {self.lr_schedule(j):.3g}"]
+    if self.epoch(j) is not None:
+      parts.append(f"epoch {self.epoch(j):.2f}")
+    if k == self.start:
+      parts.append(f"{seconds or 0:.1f} s with compilation")
+    elif fast:
+      parts.append(f"{fast['tokens_per_s']:,.0f} tokens/s"
+                   + (f", MFU {fast['mfu']:.1%}" if "mfu" in fast else ""))
+    return " | ".join(parts)
 
   def finish(self, state: Any, run: Any) -> dict[str, Any]:
     """The summary: timing, throughput after compilation, the final state."""

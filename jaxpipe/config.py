@@ -13,6 +13,11 @@ so tools can read configs cheaply.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import io
+import json
+import textwrap
+import tokenize
 import types
 import typing
 from typing import Any, Mapping, Sequence
@@ -28,6 +33,7 @@ __all__ = [
     "MeshConfig", "OptimizerConfig", "CheckpointConfig", "EvalConfig",
     "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict",
     "apply_overrides", "validate", "profile_window", "kill_point", "KILL_MOMENTS",
+    "field_notes", "describe",
 ]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
@@ -40,8 +46,8 @@ class RunConfig:
   dir: str = "runs/default"      # metrics.jsonl, config, checkpoints go here
   steps: int = 100               # optimizer steps (batches) in the whole run
   seed: int = 0                  # parameter init and data order
-  log_every: int = 1             # steps between progress-bar refreshes
-  progress: bool = True          # show a progress bar on stderr
+  log_every: int = 1             # steps between progress updates (bar refreshes, or lines)
+  progress: bool = True          # progress on stderr: a bar on a terminal, else a line every log_every steps
   nan_policy: str = "skip"       # non-finite loss/grad: skip the update, or stop
   debug_nan_step: int = -1       # fault injection: make batch k's loss NaN (-1 = never)
   peak_tflops: float = 0.0       # per-device peak for MFU; 0 = known accelerators' bf16 peak
@@ -169,6 +175,58 @@ class Config:
   dist: DistConfig = dataclasses.field(default_factory=DistConfig)
 
 
+def field_notes(cls: type) -> dict[str, str]:
+  """Each field's documentation: the comment beside it, or the comment lines just above it.
+
+  Read from the class's source, where the fields are documented; empty when
+  the source is not available (an installed package without .py files).
+  """
+  try:
+    source = textwrap.dedent(inspect.getsource(cls))
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+  except (OSError, TypeError, tokenize.TokenError):
+    return {}
+  comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens
+              if t.type == tokenize.COMMENT}
+  lines = source.splitlines()
+  names = {f.name for f in dataclasses.fields(cls)}
+  notes = {}
+  for number, line in enumerate(lines, 1):
+    name = line.strip().split(":", 1)[0]
+    if name not in names or ":" not in line:
+      continue
+    above, at = [], number - 1
+    while at in comments and lines[at - 1].lstrip().startswith("#"):
+      above.insert(0, comments[at])
+      at -= 1
+    notes[name] = comments.get(number) or " ".join(above)
+  return notes
+
+
+def describe(cls: type | None = None, prefix: str = "") -> list[str]:
+  """Every config key with its default and its documentation, one line each, by section.
+
+  Generated from the dataclasses, so it lists exactly the keys `load` accepts
+  (`train.py --help` prints it).
+  """
+  cls = Config if cls is None else cls
+  out, sections = [], []
+  notes = field_notes(cls)
+  for f in dataclasses.fields(cls):
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if dataclasses.is_dataclass(default):
+      sections.append((type(default), f"{prefix}{f.name}"))
+      continue
+    text = json.dumps(default)
+    note = f"  # {notes[f.name]}" if notes.get(f.name) else ""
+    out.append(f"  {f.name}: {text}{note}")
+  if out:
+    out.insert(0, f"{prefix[:-1]}:")
+  for sub, name in sections:
+    out += describe(sub, name + ".")
+  return out
+
+
 def _describe(value: Any) -> str:
   return f"{value!r} ({type(value).__name__})"
 
@@ -278,7 +336,15 @@ def from_dict(tree: Mapping[str, Any] | None) -> Config:
 
 
 def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
-  """Reads a YAML config, applies overrides, and returns a validated `Config`."""
+  """Reads a YAML config, applies overrides, and returns a validated `Config`.
+
+  A file that is not UTF-8 text, or that holds no settings at all (empty, or
+  only comments), is refused: a config file naming nothing is far more often
+  the wrong file, or one cut short, than a wish to train on every default,
+  and a run on all defaults would start without a word. An explicit empty
+  mapping (`{}`) says that wish, and is accepted; so is `path=None`, which
+  is how code asks for the defaults.
+  """
   tree: Any = {}
   if path is not None:
     try:
@@ -291,12 +357,16 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
                         "(see configs/)") from None
     except OSError as e:
       raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+      raise ConfigError(f"--config {path} is not a text file (not UTF-8); give a YAML file "
+                        "(see configs/)") from None
     except yaml.YAMLError as e:
       mark = getattr(e, "problem_mark", None)
       where = f" line {mark.line + 1}" if mark is not None else ""
       raise ConfigError(f"{path}:{where} is not valid YAML") from None
     if tree is None:
-      tree = {}
+      raise ConfigError(f"--config {path} holds no settings (it is empty or only comments); "
+                        "start from a file in configs/, or write {} to mean every default")
     if not isinstance(tree, dict):
       raise ConfigError(f"{path}: expected a mapping of sections at the top level")
   cfg = from_dict(apply_overrides(tree, overrides))

@@ -9,7 +9,7 @@ those call.
 
 Files in `run.dir`:
   config.yaml    the resolved config (and the git commit that ran it)
-  metrics.jsonl  {"step", "loss", "lr", "tokens", "step_time_s", ...} per batch,
+  metrics.jsonl  {"step", "loss", "lr", "tokens", "epoch", "step_time_s", ...} per batch,
                  {"step", "val_loss"} per evaluation (step = updates done)
   tb/            TensorBoard event files with the same scalars
   checkpoints/   orbax checkpoints (see jaxpipe.checkpoint)
@@ -40,10 +40,22 @@ from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
 from jaxpipe.pipeline import Schedule, StageFns, expert_exchange, make_mesh, make_schedule
 
-__all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED"]
+__all__ = ["Run", "build", "train", "schedule_change", "EXIT_NONFINITE", "EXIT_INTERRUPTED",
+           "EXIT_SIGNAL"]
 
+# Exit statuses (2, bad input, is every command's: jaxpipe.errors). A requeue
+# loop must tell a stop that saved from one that did not, so they differ:
 EXIT_NONFINITE = 3          # stopped on a non-finite loss or gradient (nan_policy=stop)
-EXIT_INTERRUPTED = 128      # plus the signal number (130 for Ctrl-C, 143 for SIGTERM)
+# SIGTERM/SIGINT stopped the run after a checkpoint was saved: rerun the same
+# command to resume. sysexits.h's EX_TEMPFAIL ("a temporary failure: try
+# again"), which is what a preemption is; below 128, so no shell or scheduler
+# reads it as a death by a signal.
+EXIT_INTERRUPTED = 75
+# Plus the signal number (130 for Ctrl-C, 143 for SIGTERM): a second signal
+# stopped the run at once, without saving (the next start resumes from the
+# checkpoint before). As a shell reports a death by that signal, since that
+# is what it was.
+EXIT_SIGNAL = 128
 
 
 @dataclasses.dataclass
@@ -185,10 +197,14 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   also over the records of an earlier attempt of the same config that
   stopped before its first checkpoint. `require_resume` makes a missing
   checkpoint an error. Raises InputError subclasses for bad input;
-  KeyboardInterrupt on a second SIGINT/SIGTERM (without waiting for a save
-  in progress); returns with summary["exit_code"] 0, EXIT_NONFINITE or
-  EXIT_INTERRUPTED+signal.
+  KeyboardInterrupt(signal number) on a second SIGINT/SIGTERM (without
+  waiting for a save in progress); returns with summary["exit_code"] 0,
+  EXIT_NONFINITE or EXIT_INTERRUPTED.
   """
+  checkpoints = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
+  if require_resume and not os.path.isdir(checkpoints):
+    # Refused before anything is built or written: a refused run creates nothing.
+    raise CheckpointError(f"--resume: no checkpoint in {checkpoints}")
   run = build(cfg, devices)
   init_params = None
   if (run.cfg.model.init_from and not require_resume
@@ -312,6 +328,28 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   return new_state, data_state
 
 
+def schedule_change(cfg: Config, saved_steps: Optional[int], step: int) -> Optional[str]:
+  """What resuming at `step` with cfg.run.steps in place of `saved_steps` does to the rate.
+
+  A cosine or wsd schedule spans run.steps, so another run.steps re-spans it
+  from the start and the rate of the steps still to run changes (a constant
+  schedule's does not: its warmup, the only part that has a length, must
+  match the checkpoint). One line naming the old and the new horizon, or
+  None when nothing changes.
+  """
+  new_steps, kind = cfg.run.steps, cfg.optimizer.schedule
+  if saved_steps is None or saved_steps == new_steps or kind == "constant":
+    return None
+  rate = lambda steps: float(optim.learning_rate_schedule(cfg.optimizer, steps)(step))
+  old, new = rate(saved_steps), rate(new_steps)
+  if f"{old:.3g}" != f"{new:.3g}":
+    then = f"the rate at step {step} changes from {old:.3g} to {new:.3g}"
+  else:
+    then = f"the rate at step {step} stays {new:.3g}, later ones change"
+  return (f"run.steps {saved_steps} -> {new_steps}: the {kind} schedule now spans "
+          f"{new_steps} steps instead of {saved_steps}; {then}")
+
+
 def _read_init_from(cfg: Config) -> Any:
   """model.init_from's weights (numpy, natural shapes), checked against cfg.model."""
   from jaxpipe import hf  # pylint: disable=g-import-not-at-top
@@ -387,6 +425,9 @@ def _begin(run: Run, ckpt: Checkpointer, require_resume: bool, init_params: Any)
     start = latest
     if is_main:
       _say(f"resuming from {ckpt.directory}/{latest} (step {latest} of {cfg.run.steps})")
+      change = schedule_change(cfg, meta.get("config", {}).get("run", {}).get("steps"), latest)
+      if change:
+        _say(change)
   elif restart and is_main:
     _say(f"no checkpoint in {ckpt.directory}: the earlier attempt stopped before its first "
          "one was saved; starting over from step 0")
@@ -420,7 +461,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
   report = _loop.Report(cfg, _loop.host_schedule(run.lr_schedule, steps), start,
                         schedule.loss_lag, jax.process_index() == 0, policy, peak_tflops(cfg),
-                        kill)
+                        kill, epoch_sequences=run.data.num_sequences("train", cfg.data.seq_len))
 
   def poison(step: int, batch: dict) -> dict:
     if step == cfg.run.debug_nan_step:
@@ -473,7 +514,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
           saves.save(done, wait=True, crash_point=False)
           _say(f"interrupted by {signal.Signals(signals.stop).name} after step {done} of "
                f"{steps}: checkpoint saved in {ckpt.directory}; run the same command to resume")
-          report.summary["exit_code"] = EXIT_INTERRUPTED + signals.stop
+          report.summary["exit_code"] = EXIT_INTERRUPTED
           break
       else:
         if pending is not None and not report.settle(*pending):
@@ -515,7 +556,9 @@ def format_summary(summary: dict[str, Any]) -> str:
            f"S={cfg.pipeline.stages} D={cfg.mesh.data} M={cfg.pipeline.microbatches}",
            f"{cfg.optimizer.name}"]
   if "train_loss" in summary:
-    parts.append(f"train loss {summary['train_loss']:.4f} (batch {summary['train_loss_step']})")
+    epoch = summary.get("epoch")
+    parts.append(f"train loss {summary['train_loss']:.4f} (batch {summary['train_loss_step']}"
+                 + (f", epoch {epoch:.2f})" if epoch is not None else ")"))
   if summary.get("val_loss") is not None:
     first = summary.get("first_val_loss")
     parts.append(f"val loss {summary['val_loss']:.4f}"

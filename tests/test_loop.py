@@ -46,8 +46,9 @@ def test_signals_ask_to_stop_then_stop_now():
     assert signals.stop is None
     os.kill(os.getpid(), signal.SIGTERM)
     assert signals.stop == signal.SIGTERM
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as second:
       os.kill(os.getpid(), signal.SIGINT)
+    assert second.value.args == (signal.SIGINT,)  # the command exits 128 + it
   assert signal.getsignal(signal.SIGTERM) is before
 
 

@@ -88,24 +88,46 @@ def test_kills_at_every_moment_continue_exactly(tmp_path, cache, reference):
   assert not [e for e in errs if "Traceback" in e], errs
 
 
-def test_a_second_signal_stops_at_once_without_a_traceback(tmp_path, cache):
-  run_dir = str(tmp_path / "run")
-  proc = _runs.start(run_dir, *KILLED, "run.steps=400", cache_dir=cache)
+def _interrupted(run_dir, cache, *signals):
+  """Starts a long run of the tiny config, sends `signals` once it has two records.
+
+  Returns (exit status, stderr). The exit status does not depend on the
+  schedule; what 2bw saves and resumes, test_kills_at_every_moment_continue_exactly
+  and test_train.py's SIGTERM test check.
+  """
+  proc = _runs.start(run_dir, "run.steps=400", cache_dir=cache)
   try:
     assert _runs.wait_for(lambda: len(_runs.train_losses(run_dir)) >= 2, timeout=240)
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.05)  # two pending signals of one kind would arrive as one
-    proc.send_signal(signal.SIGINT)
+    for sig in signals:  # two of one kind pending at once would arrive as one
+      proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
   finally:
     if proc.poll() is None:
       proc.kill()
-  # The second signal lands while the first one's save runs (130), or after
-  # the process has saved and left (128 + SIGTERM); never a traceback.
-  assert proc.returncode in (130, 128 + signal.SIGTERM), err
+  return proc.returncode, err
+
+
+def test_an_interrupt_saves_and_exits_with_the_resume_status(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  status, err = _interrupted(run_dir, cache, signal.SIGINT)
+  assert status == trainer.EXIT_INTERRUPTED == 75, err
   assert "Traceback" not in err, err
-  if proc.returncode == 130:
-    assert "stopped at once by an interrupt, without saving" in err
+  said = [l for l in err.splitlines() if l.startswith("interrupted by SIGINT after step ")]
+  assert len(said) == 1 and "checkpoint saved" in said[0], err
+  stopped_at = int(said[0].split()[5])
+  assert _runs.checkpoints(run_dir) == [stopped_at] and stopped_at >= 2
+
+
+def test_a_second_signal_stops_at_once_without_saving(tmp_path, cache):
+  run_dir = str(tmp_path / "run")
+  status, err = _interrupted(run_dir, cache, signal.SIGTERM, signal.SIGINT)
+  # Both land before the first one's save is done; whichever is handled
+  # second stops the run, with the status of a death by that signal.
+  assert status in (trainer.EXIT_SIGNAL + signal.SIGINT, trainer.EXIT_SIGNAL + signal.SIGTERM), err
+  assert status != trainer.EXIT_INTERRUPTED
+  assert "stopped at once by an interrupt, without saving" in err
+  assert "Traceback" not in err, err
+  assert _runs.checkpoints(run_dir) == []
 
 
 def test_records_of_another_config_without_a_checkpoint_are_refused(tmp_path, cache):
@@ -122,6 +144,35 @@ def test_records_of_another_config_without_a_checkpoint_are_refused(tmp_path, ca
 def test_a_bad_kill_point_is_refused(tmp_path, cache):
   p = _runs.run(str(tmp_path / "run"), "run.debug_kill=later:3", cache_dir=cache)
   assert p.returncode == 2 and "run.debug_kill must be MOMENT:STEP" in p.stderr
+
+
+def test_a_resume_that_respans_the_schedule_says_so(tmp_path, cache, capsys):
+  run_dir = str(tmp_path / "run")
+  _train(run_dir, "run.steps=2", "optimizer.schedule=cosine")
+  capsys.readouterr()
+  _train(run_dir, "run.steps=4", "optimizer.schedule=cosine")
+  said = [l for l in capsys.readouterr().err.splitlines() if "schedule now spans" in l]
+  # tiny.yaml: lr 3e-3, floor 0.1 of it. Step 2 was the end of a 2-step cosine
+  # (the floor); of 4 steps it is the middle: 3e-4 + 2.7e-3 / 2.
+  assert said == ["run.steps 2 -> 4: the cosine schedule now spans 4 steps instead of 2; "
+                  "the rate at step 2 changes from 0.0003 to 0.00165"]
+  lr = {r["step"]: r["lr"] for r in _runs.records(run_dir) if "loss" in r}
+  assert lr[2] == pytest.approx(1.65e-3, rel=1e-6)
+
+
+def test_schedule_change_names_what_a_new_horizon_does():
+  def cfg(schedule, steps):
+    return config.load(_runs.TINY, [f"optimizer.schedule={schedule}", f"run.steps={steps}"])
+  assert trainer.schedule_change(cfg("constant", 20), 10, 10) is None
+  assert trainer.schedule_change(cfg("cosine", 10), 10, 10) is None
+  assert trainer.schedule_change(cfg("cosine", 20), None, 10) is None  # no run.steps saved
+  # wsd decays over its last 20%: extended while stable, only later rates change.
+  assert trainer.schedule_change(cfg("wsd", 100), 50, 20) == (
+      "run.steps 50 -> 100: the wsd schedule now spans 100 steps instead of 50; "
+      "the rate at step 20 stays 0.003, later ones change")
+  assert trainer.schedule_change(cfg("wsd", 100), 50, 50) == (
+      "run.steps 50 -> 100: the wsd schedule now spans 100 steps instead of 50; "
+      "the rate at step 50 changes from 0.0003 to 0.003")
 
 
 # --- resuming on another mesh -------------------------------------------------------

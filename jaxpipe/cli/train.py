@@ -4,10 +4,12 @@
   jaxpipe-train --config configs/quickstart.yaml [section.key=value ...]   (installed)
 
 Running the same command again resumes from the newest checkpoint in run.dir;
-a larger run.steps continues a finished run. Exit status: 0 done, 2 bad input
-(one line on stderr), 3 stopped on a non-finite loss (nan_policy=stop),
-128+signal when SIGTERM/SIGINT stopped it after saving a checkpoint, 130 when
-a second signal stopped it at once.
+a larger run.steps continues a finished run; --resume refuses to start one
+that has no checkpoint. Exit status: 0 done; 2 bad input (one line on stderr,
+nothing created); 3 stopped on a non-finite loss (nan_policy=stop); 75
+stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to resume);
+128+signal stopped at once by a second signal, without saving (130 for
+Ctrl-C).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 
 
@@ -27,14 +30,21 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv=None) -> int:
   """Parses the command line, trains (or resumes) and returns the exit status."""
-  parser = _Parser(description=__doc__.split("\n\n")[0])
+  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
+  # The keys are listed from the config's dataclasses, so --help never drifts from them.
+  title, _, resuming = __doc__.strip().split("\n\n")[:3]
+  parser = _Parser(description=f"{title}\n\n{resuming}",
+                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                   epilog="config sections and keys, with their defaults (a YAML file sets\n"
+                   "them; section.key=value overrides them):\n\n"
+                   + "\n".join(config_lib.describe()))
   parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
   parser.add_argument("--resume", action="store_true",
-                      help="require a checkpoint in run.dir to resume from")
+                      help="refuse to start unless run.dir holds a checkpoint to resume from "
+                      "(without it, a run.dir with no checkpoint starts a new run)")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=3e-4")
   args = parser.parse_args(argv)
 
-  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxpipe import launch  # pylint: disable=g-import-not-at-top
   from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
   try:
@@ -46,18 +56,21 @@ def main(argv=None) -> int:
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
-    # A second SIGINT/SIGTERM, or Ctrl-C before training began: stop at once.
-    # Exiting without the interpreter's shutdown leaves a save in progress
-    # unfinished (the next start ignores it) instead of tracing back from it.
+  except KeyboardInterrupt as e:
+    # A second SIGINT/SIGTERM (the loop's handler gives its number), or Ctrl-C
+    # before training began: stop at once. Exiting without the interpreter's
+    # shutdown leaves a save in progress unfinished (the next start ignores
+    # it) instead of tracing back from it.
+    signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
     print("stopped at once by an interrupt, without saving; run the same command to resume "
           "from the last checkpoint", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(130)  # pylint: disable=protected-access
+    # trainer.EXIT_SIGNAL + the signal, written out: trainer may not be imported yet.
+    os._exit(128 + signum)  # pylint: disable=protected-access
   if summary["is_main"]:
     print(trainer.format_summary(summary), flush=True)
     if summary["exit_code"] == 0:
-      print(next_steps(cfg.run.dir), flush=True)
+      print(next_steps(cfg.run.dir, sample_prompt(summary["run"].data)), flush=True)
   return summary["exit_code"]
 
 
@@ -73,8 +86,30 @@ def _clone_root():
   return root if os.path.isdir(os.path.join(root, "tools")) else None
 
 
-def next_steps(run_dir: str) -> str:
-  """What a user can do with a finished run (sample, plot, export, view), as commands."""
+def sample_prompt(data, words: int = 4) -> str:
+  """The first few words of a dataset's validation text: a prompt in the run's own language.
+
+  The val split begins at a paragraph or document (tools/prepare_data.py
+  holds out whole ones), so its first words read as the start of a text.
+  """
+  tokenizer = data.load_tokenizer()
+  ids = [int(i) for i in data.split("val")[:64 * words]]
+  while ids and ids[0] == tokenizer.eos_id:
+    ids.pop(0)
+  cut = tokenizer.eos_id not in ids  # the text read may stop inside a word
+  if not cut:  # the first document only
+    ids = ids[:ids.index(tokenizer.eos_id)]
+  found = "".join(c if c.isprintable() else " " for c in tokenizer.decode(ids)).split()
+  chosen = (found[:-1] if cut else found)[:words]
+  # A prompt that ends mid-sentence asks for a continuation, not a new sentence.
+  return " ".join(chosen).rstrip(",;:.!?") or "The"
+
+
+def next_steps(run_dir: str, prompt: str = "The") -> str:
+  """What a user can do with a finished run (sample, plot, export, view), as commands.
+
+  `prompt` is the sampling command's text to continue (`sample_prompt`).
+  """
   root, bindir = _clone_root(), os.path.dirname(sys.executable)
 
   def command(tool: str, script: str) -> str:
@@ -89,7 +124,7 @@ def next_steps(run_dir: str) -> str:
            if root else "pip install 'jaxpipe[tensorboard]'")
   return "\n".join([
       "next:",
-      f"  sample  {command('generate', 'jaxpipe-generate')} --run {d} --prompt 'And God said'",
+      f"  sample  {command('generate', 'jaxpipe-generate')} --run {d} --prompt {shlex.quote(prompt)}",
       f"  plot    {command('plot_loss', 'jaxpipe-plot')} {d} --out {q('loss.png')}",
       f"  export  {command('export_hf', 'jaxpipe-export-hf')} --run {d} --out {q('hf')}"
       "   (a Hugging Face Llama directory)",
