@@ -29,6 +29,7 @@ import numpy as np
 import yaml
 
 from jaxpipe import _loop
+from jaxpipe import accel
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
 from jaxpipe import launch
@@ -129,14 +130,12 @@ def build(cfg: Config, devices=None) -> Run:
   return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
 
 
-# Dense bfloat16 peak TFLOP/s per chip, by a substring of `device_kind`.
-_PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("TPU v6", 918.0),
-                ("TPU v5p", 459.0), ("TPU v5", 197.0), ("TPU v4", 275.0))
-
-
 def device_peak_tflops(kind: str) -> Optional[float]:
-  """Dense bfloat16 peak TFLOP/s of a known accelerator `device_kind`, else None."""
-  return next((peak for name, peak in _PEAK_TFLOPS if name.lower() in kind.lower()), None)
+  """Dense bfloat16 peak TFLOP/s of the accelerator whose device kind is `kind`, else None.
+
+  The name must match exactly (`jaxpipe.accel.PEAK_TFLOPS`).
+  """
+  return accel.device_peak_tflops(kind)
 
 
 def peak_tflops(cfg: Config) -> Optional[float]:
