@@ -113,10 +113,24 @@ def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
   return model, stage_fns(model), optim.build(cfg.optimizer, cfg.run.steps)
 
 
+def resolve_attention(cfg: Config) -> Config:
+  """cfg with model.attention as it runs here; `auto` on a GPU tries cuDNN once on the run's shapes.
+
+  If cuDNN fails there, `auto` becomes `blockwise` and process 0 says why in
+  one line (`jaxpipe.model.resolve_attention`); an explicit `cudnn` that fails
+  is a ConfigError.
+  """
+  rows = cfg.data.batch_size // cfg.pipeline.microbatches // cfg.mesh.data
+  model, note = model_lib.resolve_attention(cfg.model, rows, cfg.data.seq_len)
+  if note and jax.process_index() == 0:
+    _say(note)
+  return dataclasses.replace(cfg, model=model)
+
+
 def build(cfg: Config, devices=None) -> Run:
   """Builds data, model, optimizer, mesh and schedule from a validated config."""
   data = open_data(cfg)
-  cfg = resolve_model(cfg, data)
+  cfg = resolve_attention(resolve_model(cfg, data))
   model, fns, optimizer = components(cfg)
   lr_schedule = optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps)
   p = cfg.pipeline
