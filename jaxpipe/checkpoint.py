@@ -49,6 +49,8 @@ RESUMABLE_KEYS = frozenset({
     "model.loss_chunk", "model.attention", "mesh.shard_optimizer",
     # Where a fresh run's weights came from; a resumed run has its own.
     "model.init_from",
+    # How the same program runs: XLA's flags and its compilation cache.
+    "run.deterministic", "run.compile_cache",
 })
 
 # Keys that change the mesh: a resumed run may change them where its schedule

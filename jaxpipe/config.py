@@ -47,6 +47,10 @@ class RunConfig:
   peak_tflops: float = 0.0       # per-device peak for MFU; 0 = known accelerators' bf16 peak
   profile: str = ""              # START:STOP = a jax.profiler trace of those steps in run.dir/profile
   debug_kill: str = ""           # fault injection: SIGKILL itself at MOMENT:STEP (see kill_point)
+  # NVIDIA GPUs: XLA's deterministic ops (--xla_gpu_deterministic_ops), so a
+  # rerun on the same GPUs and mesh repeats bit for bit; false trades that for speed.
+  deterministic: bool = True
+  compile_cache: str = ""        # a directory for JAX's persistent compilation cache; "" = none
 
 
 @dataclasses.dataclass(frozen=True)

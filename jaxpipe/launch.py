@@ -1,8 +1,10 @@
-"""Process start-up: emulated CPU devices and `jax.distributed`.
+"""Process start-up: emulated CPU devices, XLA's GPU flags and `jax.distributed`.
 
 `prepare_devices` must run before JAX initialises its backend (it sets
-XLA_FLAGS); `start` then joins a multi-process run when the config or the
-environment asks for one, and checks that the mesh's devices exist.
+XLA_FLAGS: the emulated CPU devices, or on NVIDIA GPUs `jaxpipe.accel`'s
+flags); `start` then turns on the compilation cache (`run.compile_cache`),
+joins a multi-process run when the config or the environment asks for one,
+and checks that the mesh's devices exist.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 
+from jaxpipe import accel
 from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
 
@@ -53,21 +56,33 @@ def local_devices_needed(cfg: Config) -> int:
 
 
 def prepare_devices(cfg: Config) -> None:
-  """Asks XLA for enough host (CPU) devices to emulate the mesh if no accelerator exists.
+  """Sets XLA_FLAGS for this run: emulated CPU devices, or XLA's flags for NVIDIA GPUs.
 
-  The flag only adds CPU devices; on a GPU or TPU machine JAX still uses the
-  accelerators. A device count the user already put in XLA_FLAGS is kept.
+  Without a GPU: enough host (CPU) devices to emulate the mesh (the flag only
+  adds CPU devices; on a GPU or TPU machine JAX still uses the accelerators).
+  Where JAX will find NVIDIA GPUs (`accel.gpu_expected`): `accel.gpu_xla_flags`
+  (the latency-hiding scheduler, the pipeline flags for a pipelined schedule,
+  deterministic ops with run.deterministic); the CPU path gets none of them.
+  A flag the user already put in XLA_FLAGS is kept, with its value.
   """
   need = local_devices_needed(cfg)
   flags = os.environ.get("XLA_FLAGS", "")
   if need > 1 and _COUNT_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={need}".strip()
+    flags = f"{flags} {_COUNT_FLAG}={need}".strip()
+  if accel.gpu_expected():
+    flags = accel.merge_xla_flags(flags, accel.gpu_xla_flags(
+        deterministic=cfg.run.deterministic,
+        pipelined=cfg.pipeline.schedule != "none" and cfg.pipeline.stages > 1))
+  if flags:
+    os.environ["XLA_FLAGS"] = flags
 
 
 def start(cfg: Config) -> None:
   """Initialises `jax.distributed` for multi-process runs; checks the device count."""
   coordinator, num, pid = distributed_settings(cfg)
   import jax  # pylint: disable=g-import-not-at-top
+  if cfg.run.compile_cache:
+    accel.enable_compile_cache(cfg.run.compile_cache)
   if num > 1:
     if jax.config.jax_platforms in (None, "", "cpu") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
       # Cross-process collectives on CPU devices go through gloo.

@@ -13,6 +13,8 @@ Files in `run.dir`:
                  {"step", "val_loss"} per evaluation (step = updates done)
   tb/            TensorBoard event files with the same scalars
   checkpoints/   orbax checkpoints (see jaxpipe.checkpoint)
+  device_memory.json  each device's peak memory at the end, where the devices
+                 report it (GPUs, TPUs); device_memory.P.json for process P of several
 """
 
 from __future__ import annotations
@@ -484,6 +486,8 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
           _finish(run, report, saves, evaluate, state, start)
     finally:
       report.close()
+  report.summary["peak_memory_gib"] = accel.write_device_memory(
+      cfg.run.dir, jax.local_devices(), jax.process_index(), jax.process_count())
   return report.finish(state, run)
 
 
@@ -526,6 +530,8 @@ def format_summary(summary: dict[str, Any]) -> str:
   if summary["tokens_per_s"]:
     speed = f", {summary['tokens_per_s']:,.0f} tokens/s after compilation" + (
         f", MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
+  if summary.get("peak_memory_gib") is not None:
+    speed += f", peak device memory {summary['peak_memory_gib']:.1f} GiB"
   parts.append(f"{summary['elapsed_s']:.1f} s{speed}")
   if summary["skipped"]:
     parts.append(f"{summary['skipped']} updates skipped")
