@@ -41,7 +41,8 @@ from jaxpipe.checkpoint import (LAYOUT_KEYS, RESUMABLE_KEYS, Checkpointer, check
                                 config_differences, path_key)
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
-from jaxpipe.pipeline import Schedule, StageFns, expert_exchange, make_mesh, make_schedule
+from jaxpipe.pipeline import (Schedule, StageFns, axes_across_nodes, expert_exchange, make_mesh,
+                              make_schedule)
 
 __all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED"]
 
@@ -129,6 +130,19 @@ def resolve_attention(cfg: Config) -> Config:
   return dataclasses.replace(cfg, model=model)
 
 
+def _mesh(cfg: Config, devices) -> jax.sharding.Mesh:
+  """The run's mesh laid out by mesh.layout; says which axes cross nodes when there are several."""
+  try:
+    mesh = make_mesh(cfg.pipeline.stages, cfg.mesh.data, devices, layout=cfg.mesh.layout)
+  except ValueError as e:
+    raise ConfigError(f"mesh.layout={cfg.mesh.layout}: {e}") from None
+  across = axes_across_nodes(mesh.devices)
+  if across and jax.process_index() == 0:
+    _say(f"mesh stage x data = {cfg.pipeline.stages} x {cfg.mesh.data}: "
+         f"{' and '.join(across)} across nodes (mesh.layout={cfg.mesh.layout})")
+  return mesh
+
+
 def build(cfg: Config, devices=None) -> Run:
   """Builds data, model, optimizer, mesh and schedule from a validated config."""
   data = open_data(cfg)
@@ -138,7 +152,7 @@ def build(cfg: Config, devices=None) -> Run:
   p = cfg.pipeline
   devices = jax.devices() if devices is None else devices
   launch.check_devices(cfg, devices)
-  mesh = make_mesh(p.stages, cfg.mesh.data, devices)
+  mesh = _mesh(cfg, devices)
   schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash,
                            shard_optimizer=cfg.mesh.shard_optimizer,
                            expert_parallel=cfg.mesh.expert_parallel,
