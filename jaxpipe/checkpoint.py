@@ -49,6 +49,9 @@ RESUMABLE_KEYS = frozenset({
     "model.loss_chunk", "model.attention", "mesh.shard_optimizer",
     # Where a fresh run's weights came from; a resumed run has its own.
     "model.init_from",
+    # How and where the same program runs: XLA's flags, its compilation cache,
+    # which devices a process takes and how the mesh is laid over the nodes.
+    "run.deterministic", "run.compile_cache", "dist.local_device_ids", "mesh.layout",
 })
 
 # Keys that change the mesh: a resumed run may change them where its schedule

@@ -33,10 +33,11 @@ __all__ = [
     "MeshConfig", "OptimizerConfig", "CheckpointConfig", "EvalConfig",
     "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict",
     "apply_overrides", "validate", "profile_window", "kill_point", "KILL_MOMENTS",
-    "field_notes", "describe",
+    "field_notes", "describe", "MESH_LAYOUTS", "device_ids", "vocab_parallel", "HEAD_CHOICES",
 ]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+MESH_LAYOUTS = ("stage", "data")
 OPTIMIZERS = ("adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap")
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 
@@ -53,6 +54,10 @@ class RunConfig:
   peak_tflops: float = 0.0       # per-device peak for MFU; 0 = known accelerators' bf16 peak
   profile: str = ""              # START:STOP = a jax.profiler trace of those steps in run.dir/profile
   debug_kill: str = ""           # fault injection: SIGKILL itself at MOMENT:STEP (see kill_point)
+  # NVIDIA GPUs: XLA's deterministic ops (--xla_gpu_deterministic_ops), so a
+  # rerun on the same GPUs and mesh repeats bit for bit; false trades that for speed.
+  deterministic: bool = True
+  compile_cache: str = ""        # a directory for JAX's persistent compilation cache; "" = none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +108,10 @@ class MeshConfig:
   # MoE in a pipelined schedule: each replica holds E/D of the experts and the
   # tokens are exchanged by all-to-all (needs D to divide model.moe.num_experts).
   expert_parallel: bool = True
+  # Which axis spans nodes when the devices are on several: stage (stages
+  # across nodes, each node's data all-reduce inside it; only activations
+  # cross nodes) or data (replicas across nodes, the pipeline inside a node).
+  layout: str = "stage"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +167,9 @@ class EvalConfig:
 @dataclasses.dataclass(frozen=True)
 class DistConfig:
   coordinator: str = ""          # host:port of process 0; "" = single process (or env vars)
+  # This process's GPUs, e.g. "0" or "0,1"; "" = from the launcher (SLURM_LOCALID,
+  # LOCAL_RANK with their per-node task counts; jaxpipe.launch.local_device_ids).
+  local_device_ids: str = ""
   num_processes: int = 1
   process_id: int = 0
 
@@ -391,6 +403,20 @@ def kill_point(spec: str) -> tuple[str, int] | None:
   return moment, int(step)
 
 
+def device_ids(spec: str) -> list[int] | None:
+  """The device ids of `dist.local_device_ids` ('0', '0,1'), or None for ''."""
+  if not spec.strip():
+    return None
+  try:
+    ids = [int(x) for x in spec.split(",")]
+  except ValueError:
+    ids = [-1]
+  if min(ids) < 0 or len(set(ids)) != len(ids):
+    raise ConfigError(f"dist.local_device_ids must be distinct device numbers separated by "
+                      f"commas (e.g. 0 or 0,1), got '{spec}'")
+  return ids
+
+
 def profile_window(spec: str) -> tuple[int, int] | None:
   """(start, stop) of `run.profile` ('START:STOP', steps START..STOP-1), or None for ''."""
   if not spec:
@@ -461,6 +487,9 @@ def validate(cfg: Config) -> None:
   _check(r.peak_tflops >= 0, f"run.peak_tflops must be >= 0, got {r.peak_tflops}")
   profile_window(r.profile)
   kill_point(r.debug_kill)
+  _check(cfg.mesh.layout in MESH_LAYOUTS,
+         f"mesh.layout must be {' or '.join(MESH_LAYOUTS)}, got '{cfg.mesh.layout}'")
+  device_ids(cfg.dist.local_device_ids)
   for key in ("param_dtype", "compute_dtype"):
     _check(getattr(m, key) in ("float32", "bfloat16", "float16"),
            f"model.{key} must be float32, bfloat16 or float16, got '{getattr(m, key)}'")

@@ -1,20 +1,28 @@
-"""Process start-up: emulated CPU devices and `jax.distributed`.
+"""Process start-up: emulated CPU devices, XLA's GPU flags and `jax.distributed`.
 
 `prepare_devices` must run before JAX initialises its backend (it sets
-XLA_FLAGS); `start` then joins a multi-process run when the config or the
-environment asks for one, and checks that the mesh's devices exist.
+XLA_FLAGS: the emulated CPU devices, or on NVIDIA GPUs `jaxpipe.accel`'s
+flags); `start` then turns on the compilation cache (`run.compile_cache`),
+joins a multi-process run when the config or the environment asks for one
+(with this process's GPUs, `local_device_ids`), and checks that the mesh's
+devices exist.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import sys
+from typing import Mapping, Optional
 
+from jaxpipe import accel
+from jaxpipe import config as config_lib
 from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
 
 __all__ = ["prepare_devices", "start", "check_devices", "local_devices_needed",
-           "distributed_settings"]
+           "distributed_settings", "local_device_ids"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -53,30 +61,47 @@ def local_devices_needed(cfg: Config) -> int:
 
 
 def prepare_devices(cfg: Config) -> None:
-  """Asks XLA for enough host (CPU) devices to emulate the mesh if no accelerator exists.
+  """Sets XLA_FLAGS for this run: emulated CPU devices, or XLA's flags for NVIDIA GPUs.
 
-  The flag only adds CPU devices; on a GPU or TPU machine JAX still uses the
-  accelerators. A device count the user already put in XLA_FLAGS is kept.
+  Without a GPU: enough host (CPU) devices to emulate the mesh (the flag only
+  adds CPU devices; on a GPU or TPU machine JAX still uses the accelerators).
+  Where JAX will find NVIDIA GPUs (`accel.gpu_expected`): `accel.gpu_xla_flags`
+  (the latency-hiding scheduler, the pipeline flags for a pipelined schedule,
+  deterministic ops with run.deterministic); the CPU path gets none of them.
+  A flag the user already put in XLA_FLAGS is kept, with its value.
   """
   need = local_devices_needed(cfg)
   flags = os.environ.get("XLA_FLAGS", "")
   if need > 1 and _COUNT_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={need}".strip()
+    flags = f"{flags} {_COUNT_FLAG}={need}".strip()
+  if accel.gpu_expected():
+    flags = accel.merge_xla_flags(flags, accel.gpu_xla_flags(
+        deterministic=cfg.run.deterministic,
+        pipelined=cfg.pipeline.schedule != "none" and cfg.pipeline.stages > 1))
+  if flags:
+    os.environ["XLA_FLAGS"] = flags
 
 
 def start(cfg: Config) -> None:
   """Initialises `jax.distributed` for multi-process runs; checks the device count."""
   coordinator, num, pid = distributed_settings(cfg)
   import jax  # pylint: disable=g-import-not-at-top
+  if cfg.run.compile_cache:
+    accel.enable_compile_cache(cfg.run.compile_cache)
   if num > 1:
     if jax.config.jax_platforms in (None, "", "cpu") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
       # Cross-process collectives on CPU devices go through gloo.
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    ids = local_device_ids(cfg)
+    if ids is not None:
+      print(f"process {pid} of {num}: local_device_ids {','.join(map(str, ids))}",
+            file=sys.stderr, flush=True)
     if coordinator:
       jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                                 process_id=pid)
+                                 process_id=pid, local_device_ids=ids)
     else:
-      jax.distributed.initialize()  # SLURM: everything from the job's environment
+      # SLURM: everything else from the job's environment.
+      jax.distributed.initialize(local_device_ids=ids)
   check_devices(cfg, jax.devices())
 
 
@@ -88,3 +113,75 @@ def check_devices(cfg: Config, devices) -> None:
         f"the mesh needs pipeline.stages x mesh.data = {cfg.pipeline.stages} x {cfg.mesh.data} = "
         f"{need} devices but {len(devices)} {devices[0].platform.upper()} devices are "
         "available; lower pipeline.stages or mesh.data")
+
+
+def _tasks_per_node(spec: str, node: int) -> Optional[int]:
+  """Node `node`'s entry of SLURM's tasks-per-node list ('8(x2),4' is 8, 8, 4), or None."""
+  counts = []
+  for part in spec.split(","):
+    m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+    if not m:
+      return None
+    counts += [int(m.group(1))] * int(m.group(2) or 1)
+  return counts[node] if 0 <= node < len(counts) else None
+
+
+def _local_rank(env: Mapping[str, str]) -> tuple[Optional[int], Optional[int]]:
+  """(this process's rank among the processes of its node, how many there are) from the launcher."""
+  try:
+    if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:  # torchrun and its imitators
+      return int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    if "SLURM_LOCALID" in env:
+      node = int(env.get("SLURM_NODEID", "0"))
+      for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if key in env:
+          return int(env["SLURM_LOCALID"]), _tasks_per_node(env[key], node)
+      if "SLURM_NTASKS_PER_NODE" in env:
+        return int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS_PER_NODE"])
+  except ValueError:
+    raise ConfigError("LOCAL_RANK, LOCAL_WORLD_SIZE, SLURM_LOCALID, SLURM_NODEID and "
+                      "SLURM_NTASKS_PER_NODE must be integers; or set dist.local_device_ids")
+  return None, None
+
+
+def _visible_gpus(env: Mapping[str, str]) -> Optional[int]:
+  """GPUs this process can see, as the launcher set them (CUDA_VISIBLE_DEVICES, SLURM), or None."""
+  if env.get("CUDA_VISIBLE_DEVICES", "").strip():
+    return len(env["CUDA_VISIBLE_DEVICES"].split(","))
+  if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+    return int(env["SLURM_GPUS_ON_NODE"])
+  return None
+
+
+def local_device_ids(cfg: Config, env: Optional[Mapping[str, str]] = None) -> Optional[list[int]]:
+  """The GPUs (numbers among those this process sees) that `jax.distributed` gives this process.
+
+  `dist.local_device_ids` when set. Otherwise from the launcher: with n
+  processes on this node (torchrun's LOCAL_RANK of LOCAL_WORLD_SIZE, SLURM's
+  SLURM_LOCALID of its tasks per node) and g GPUs visible (CUDA_VISIBLE_DEVICES,
+  else SLURM_GPUS_ON_NODE), local rank r takes GPUs r*g/n .. (r+1)*g/n - 1;
+  with fewer visible GPUs than processes the launcher has bound each process
+  to its own, which it takes whole; with g unknown, GPU r. One process per
+  node takes every visible GPU, listed: left unset, JAX's own SLURM detection
+  would give each process GPU 0 only. None (JAX's default, which reads
+  JAX_LOCAL_DEVICE_IDS) where JAX_LOCAL_DEVICE_IDS is set or nothing says.
+  """
+  explicit = config_lib.device_ids(cfg.dist.local_device_ids)
+  if explicit is not None:
+    return explicit
+  env = os.environ if env is None else env
+  if env.get("JAX_LOCAL_DEVICE_IDS"):
+    return None
+  rank, per_node = _local_rank(env)
+  gpus = _visible_gpus(env)
+  if rank is None or per_node is None or per_node <= 1:
+    return list(range(gpus)) if gpus else None
+  if gpus is None:
+    return [rank]
+  if gpus < per_node:
+    return list(range(gpus))
+  if gpus % per_node:
+    raise ConfigError(f"{gpus} GPUs do not split evenly over the {per_node} processes of this "
+                      "node; set dist.local_device_ids for each process")
+  share = gpus // per_node
+  return list(range(rank * share, (rank + 1) * share))

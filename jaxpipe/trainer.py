@@ -13,6 +13,8 @@ Files in `run.dir`:
                  {"step", "val_loss"} per evaluation (step = updates done)
   tb/            TensorBoard event files with the same scalars
   checkpoints/   orbax checkpoints (see jaxpipe.checkpoint)
+  device_memory.json  each device's peak memory at the end, where the devices
+                 report it (GPUs, TPUs); device_memory.P.json for process P of several
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 import yaml
 
 from jaxpipe import _loop
+from jaxpipe import accel
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
 from jaxpipe import launch
@@ -38,7 +41,8 @@ from jaxpipe.checkpoint import (LAYOUT_KEYS, RESUMABLE_KEYS, Checkpointer, check
                                 config_differences, path_key)
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
-from jaxpipe.pipeline import Schedule, StageFns, expert_exchange, make_mesh, make_schedule
+from jaxpipe.pipeline import (Schedule, StageFns, axes_across_nodes, expert_exchange, make_mesh,
+                              make_schedule)
 
 __all__ = ["Run", "build", "train", "schedule_change", "EXIT_NONFINITE", "EXIT_INTERRUPTED",
            "EXIT_SIGNAL"]
@@ -124,16 +128,43 @@ def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
   return model, stage_fns(model), optim.build(cfg.optimizer, cfg.run.steps)
 
 
+def resolve_attention(cfg: Config) -> Config:
+  """cfg with model.attention as it runs here; `auto` on a GPU tries cuDNN once on the run's shapes.
+
+  If cuDNN fails there, `auto` becomes `blockwise` and process 0 says why in
+  one line (`jaxpipe.model.resolve_attention`); an explicit `cudnn` that fails
+  is a ConfigError.
+  """
+  rows = cfg.data.batch_size // cfg.pipeline.microbatches // cfg.mesh.data
+  model, note = model_lib.resolve_attention(cfg.model, rows, cfg.data.seq_len)
+  if note and jax.process_index() == 0:
+    _say(note)
+  return dataclasses.replace(cfg, model=model)
+
+
+def _mesh(cfg: Config, devices) -> jax.sharding.Mesh:
+  """The run's mesh laid out by mesh.layout; says which axes cross nodes when there are several."""
+  try:
+    mesh = make_mesh(cfg.pipeline.stages, cfg.mesh.data, devices, layout=cfg.mesh.layout)
+  except ValueError as e:
+    raise ConfigError(f"mesh.layout={cfg.mesh.layout}: {e}") from None
+  across = axes_across_nodes(mesh.devices)
+  if across and jax.process_index() == 0:
+    _say(f"mesh stage x data = {cfg.pipeline.stages} x {cfg.mesh.data}: "
+         f"{' and '.join(across)} across nodes (mesh.layout={cfg.mesh.layout})")
+  return mesh
+
+
 def build(cfg: Config, devices=None) -> Run:
   """Builds data, model, optimizer, mesh and schedule from a validated config."""
   data = open_data(cfg)
-  cfg = resolve_model(cfg, data)
+  cfg = resolve_attention(resolve_model(cfg, data))
   model, fns, optimizer = components(cfg)
   lr_schedule = optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps)
   p = cfg.pipeline
   devices = jax.devices() if devices is None else devices
   launch.check_devices(cfg, devices)
-  mesh = make_mesh(p.stages, cfg.mesh.data, devices)
+  mesh = _mesh(cfg, devices)
   schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash,
                            shard_optimizer=cfg.mesh.shard_optimizer,
                            expert_parallel=cfg.mesh.expert_parallel,
@@ -142,14 +173,12 @@ def build(cfg: Config, devices=None) -> Run:
   return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
 
 
-# Dense bfloat16 peak TFLOP/s per chip, by a substring of `device_kind`.
-_PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("TPU v6", 918.0),
-                ("TPU v5p", 459.0), ("TPU v5", 197.0), ("TPU v4", 275.0))
-
-
 def device_peak_tflops(kind: str) -> Optional[float]:
-  """Dense bfloat16 peak TFLOP/s of a known accelerator `device_kind`, else None."""
-  return next((peak for name, peak in _PEAK_TFLOPS if name.lower() in kind.lower()), None)
+  """Dense bfloat16 peak TFLOP/s of the accelerator whose device kind is `kind`, else None.
+
+  The name must match exactly (`jaxpipe.accel.PEAK_TFLOPS`).
+  """
+  return accel.device_peak_tflops(kind)
 
 
 def peak_tflops(cfg: Config) -> Optional[float]:
@@ -523,6 +552,8 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
           _finish(run, report, saves, evaluate, state, start)
     finally:
       report.close()
+  report.summary["peak_memory_gib"] = accel.write_device_memory(
+      cfg.run.dir, jax.local_devices(), jax.process_index(), jax.process_count())
   return report.finish(state, run)
 
 
@@ -567,6 +598,8 @@ def format_summary(summary: dict[str, Any]) -> str:
   if summary["tokens_per_s"]:
     speed = f", {summary['tokens_per_s']:,.0f} tokens/s after compilation" + (
         f", MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
+  if summary.get("peak_memory_gib") is not None:
+    speed += f", peak device memory {summary['peak_memory_gib']:.1f} GiB"
   parts.append(f"{summary['elapsed_s']:.1f} s{speed}")
   if summary["skipped"]:
     parts.append(f"{summary['skipped']} updates skipped")

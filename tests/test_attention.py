@@ -333,3 +333,68 @@ def test_config_key_is_parsed_and_validated():
     config_lib.load(None, ["model.attention=flash"])
   with pytest.raises(ConfigError, match="model.attention"):
     config_lib.load(None, ["model.attention=1"])
+
+
+# --- auto tries cuDNN once at start-up and falls back on any failure ---------------
+
+BF16 = dataclasses.replace(CFG, compute_dtype="bfloat16")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+  """An NVIDIA GPU as `select` sees it, on this CPU; the probe's memory cleared around the test."""
+  monkeypatch.setattr(_attention, "backend", lambda: "cuda")
+  _attention.cudnn_failure.cache_clear()
+  yield
+  _attention.cudnn_failure.cache_clear()
+
+
+def test_auto_falls_back_to_blockwise_when_cudnn_fails(fake_cuda):
+  # On a CPU the cuDNN kernel really fails: JAX raises RuntimeError ("cuDNN is not
+  # detected"), not the NotImplementedError of its shape checks.
+  cfg, note = _attention.resolve_attention(BF16, rows=2, seq_len=64)
+  assert cfg.attention == "blockwise" and cfg == dataclasses.replace(BF16, attention="blockwise")
+  assert note.startswith("model.attention=auto: cuDNN attention failed on 2 x 64 tokens, "
+                         f"{CFG.n_heads} heads of {CFG.dim // CFG.n_heads}, bfloat16 (")
+  assert "RuntimeError" in note and note.endswith("using blockwise attention")
+  assert "\n" not in note
+
+
+def test_any_failure_of_the_probe_counts(fake_cuda, monkeypatch):
+  calls = []
+
+  def failing(q, k, v):
+    calls.append(q.shape)
+    raise ValueError("CUDNN_STATUS_EXECUTION_FAILED\n  at some\n  long place")
+  monkeypatch.setattr(_attention, "_cudnn", failing)
+  cfg, note = _attention.resolve_attention(BF16, rows=2, seq_len=64)
+  assert cfg.attention == "blockwise"
+  assert "ValueError: CUDNN_STATUS_EXECUTION_FAILED at some long place" in note
+  _attention.resolve_attention(BF16, rows=2, seq_len=64)
+  assert len(calls) == 1                    # tried once for these shapes
+  with pytest.raises(ConfigError, match="model.attention=cudnn cannot run on 2 x 64 tokens") as e:
+    _attention.resolve_attention(dataclasses.replace(BF16, attention="cudnn"), rows=2,
+                                 seq_len=64)
+  assert "\n" not in str(e.value)
+
+
+def test_a_working_cudnn_keeps_auto(fake_cuda, monkeypatch):
+  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                      implementation="xla")
+  monkeypatch.setattr(_attention, "_cudnn", xla)
+  assert _attention.resolve_attention(BF16, rows=2, seq_len=64) == (BF16, None)
+
+
+def test_nothing_is_tried_where_cudnn_is_not_chosen(monkeypatch):
+  monkeypatch.setattr(_attention, "cudnn_failure", lambda *a: pytest.fail("probed"))
+  assert _attention.resolve_attention(BF16, rows=2, seq_len=64) == (BF16, None)    # a CPU
+  assert _attention.resolve_attention(CFG, rows=2, seq_len=64) == (CFG, None)
+
+
+def test_the_trainer_says_why_it_fell_back(fake_cuda, capsys):
+  from jaxpipe import trainer
+  cfg = config_lib.load(_runs.TINY, ["model.compute_dtype=bfloat16", "model.vocab_size=64"])
+  out = trainer.resolve_attention(cfg)
+  assert out.model.attention == "blockwise"
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("model.attention=auto: cuDNN attention failed")

@@ -99,11 +99,25 @@ def test_moe_capacity_drops_overflowing_tokens():
 
 
 def test_flops_per_token_counts_what_a_token_passes_through():
+  """A hand count for one small shape: 2 blocks of width 32, 4 heads of 8, 2 kv heads, T=128."""
   cfg = dataclasses.replace(CFG, vocab_size=64)
-  f = model_lib.ffn_dim(cfg)
-  attn = 32 * 8 * (2 * 4 + 2 * 2)
-  expected = 6 * (2 * (attn + 3 * 32 * f) + 32 * 64) + 12 * 2 * 32 * 128
-  assert model_lib.flops_per_token(cfg, 128) == expected
+  assert model_lib.ffn_dim(cfg) == 96               # 8/3 * 32 rounded up to a multiple of 32
+  # Matmul parameters a token passes through, per block: q 32x32 + k 32x16 + v 32x16 + o 32x32
+  # = 3072; gate, up, down 3 x 32x96 = 9216. Two blocks: 24576; the head 32x64 = 2048.
+  six_n = 6 * (2 * (3072 + 9216) + 2048)           # 159,744
+  # Attention's q k^T and p v, forward and backward (x3), per block: 4 x 32 x T
+  # FLOPs a token in full; a causal kernel computes half.
+  full = 3 * 2 * 4 * 32 * 128                       # 98,304 = 12 L d T
+  assert six_n + full // 2 == 208_896
+  assert model_lib.flops_per_token(cfg, 128) == 208_896
+  assert model_lib.flops_per_token(cfg, 128, causal=True) == 208_896
+  assert model_lib.flops_per_token(cfg, 128, causal=False) == six_n + full == 258_048
+  f = model_lib.token_flops(cfg, 128)
+  assert (f.dense, f.experts, f.attention, f.attention_full, f.head) == (
+      2 * 24576, 0, 16_384, 32_768, 4096)
   moe = dataclasses.replace(cfg, moe=MoEConfig(num_experts=8, top_k=2))
-  dense_mlp, moe_mlp = 3 * 32 * f, 2 * 3 * 32 * f + 32 * 8
-  assert model_lib.flops_per_token(moe, 128) - expected == 6 * 2 * (moe_mlp - dense_mlp)
+  dense_mlp, moe_mlp = 3 * 32 * 96, 2 * 3 * 32 * 96 + 32 * 8   # two experts and the router
+  assert model_lib.flops_per_token(moe, 128) - 208_896 == 6 * 2 * (moe_mlp - dense_mlp)
+  # The experts' kernels run over every slot: 8 experts x ceil(1.25 x 128 x 2 / 8) = 40
+  # slots per 128 tokens, against the 2 experts of the model's count.
+  assert model_lib.token_flops(moe, 128).expert_slots == 2 * 2 * 3 * 32 * 96 * 8 * 40 / 128

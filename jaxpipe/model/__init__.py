@@ -8,8 +8,10 @@ import importlib
 
 _LAZY = {
     "blockwise_attention": "_attention",
+    "resolve_attention": "_attention",
     "Block": "_llama", "Model": "_llama", "build": "_llama", "cross_entropy": "_llama",
     "dtype_of": "_llama", "ffn_dim": "_llama", "flops_per_token": "_llama",
+    "token_flops": "_llama", "TokenFlops": "_llama",
     "num_params": "_llama", "rotary": "_llama",
     "MoE": "_moe", "capacity": "_moe",
     "ModelConfig": "_config", "MoEConfig": "_config",

@@ -14,7 +14,10 @@
 
 `select` makes that choice from plain values (backend name, dtype, sequence
 length, head size) so that it can be tested on any machine; `attention` asks
-the running backend and calls the implementation.
+the running backend and calls the implementation. `resolve_attention` is
+what a run does once at start-up: where the choice is cuDNN it compiles and
+runs cuDNN's forward and backward on the run's shapes (`cudnn_failure`), and
+`auto` falls back to blockwise, with a line saying why, if anything fails.
 
 Layout everywhere: q [batch, seq, n_heads, head_dim], k and v [batch, seq,
 n_kv_heads, head_dim], query head h reading key/value head h // (n_heads /
@@ -23,8 +26,10 @@ n_kv_heads) (grouped-query attention, as in jax.nn.dot_product_attention).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +37,10 @@ import numpy as np
 from jax import lax
 
 from jaxpipe.errors import ConfigError
+from jaxpipe.model._config import ModelConfig
 
 __all__ = ["SETTINGS", "BLOCK_SIZE", "AUTO_BLOCKWISE_ABOVE", "attention", "backend",
-           "blockwise_attention", "cached_attention", "select"]
+           "blockwise_attention", "cached_attention", "select", "cudnn_failure", "resolve_attention"]
 
 SETTINGS = ("auto", "xla", "blockwise", "cudnn")
 
@@ -128,12 +134,79 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, setting: str = "auto") -
   if impl == "xla":
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
   try:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return _cudnn(q, k, v)
   except NotImplementedError as e:
     # cuDNN's own shape checks (head size, architecture) run while tracing.
     reason = " ".join(str(e).split())  # one line, as the trainer prints it
     raise ConfigError(f"model.attention=cudnn cannot run these shapes: {reason}; use "
                       "model.attention=blockwise or xla") from None
+
+
+def _cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """cuDNN's fused causal attention (JAX's `implementation="cudnn"`)."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+  """An exception as one line of at most `limit` characters (XLA's messages span many)."""
+  text = " ".join(f"{type(e).__name__}: {e}".split())
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_failure(batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                  dtype: str) -> Optional[str]:
+  """Why cuDNN attention fails on these shapes here, in one line, or None where it works.
+
+  Compiles and runs the forward and the backward of causal cuDNN attention
+  once on zeros of the given shapes ([batch, seq_len, heads, head_dim] in
+  `dtype`). Remembered per shape: a run tries once, at start-up.
+  """
+  # Every failure counts, not only the NotImplementedError of JAX's own
+  # checks: cuDNN and XLA report an unsupported GPU, shape or library version
+  # as compile or runtime errors of their own types.
+  try:
+    q = jnp.zeros((batch, seq_len, n_heads, head_dim), dtype)
+    kv = jnp.zeros((batch, seq_len, n_kv_heads, head_dim), dtype)
+    loss = lambda q, k, v: _cudnn(q, k, v).astype(jnp.float32).sum()
+    jax.block_until_ready(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    return _one_line(e)
+  return None
+
+
+def resolve_attention(cfg: ModelConfig, rows: int,
+                      seq_len: int) -> tuple[ModelConfig, Optional[str]]:
+  """`cfg` with model.attention as it can run here on [rows, seq_len] inputs, and a note.
+
+  Where `select` picks cuDNN (an NVIDIA GPU, a half-precision compute dtype),
+  cuDNN's forward and backward are tried once on these shapes
+  (`cudnn_failure`). If they fail, `auto` becomes `blockwise` (memory linear
+  in the sequence, like cuDNN's) and the note says why in one line; an
+  explicit `cudnn` raises ConfigError instead. Elsewhere `cfg` comes back
+  unchanged and the note is None.
+
+  Args:
+    cfg: the model's config.
+    rows: sequences one device's attention sees at once (a microbatch's
+      share of one data replica).
+    seq_len: tokens per sequence.
+  """
+  head_dim = cfg.dim // cfg.n_heads
+  dtype = jnp.dtype(cfg.compute_dtype).name
+  impl = select(cfg.attention, backend=backend(), dtype=dtype, seq_len=seq_len, head_dim=head_dim)
+  if impl != "cudnn":
+    return cfg, None
+  why = cudnn_failure(rows, seq_len, cfg.n_heads, cfg.n_kv_heads, head_dim, dtype)
+  if why is None:
+    return cfg, None
+  shape = f"{rows} x {seq_len} tokens, {cfg.n_heads} heads of {head_dim}, {dtype}"
+  if cfg.attention == "cudnn":
+    raise ConfigError(f"model.attention=cudnn cannot run on {shape}: {why}; use "
+                      "model.attention=auto, blockwise or xla")
+  return (dataclasses.replace(cfg, attention="blockwise"),
+          f"model.attention=auto: cuDNN attention failed on {shape} ({why}); using "
+          "blockwise attention")
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ from jaxpipe.model import _attention, _moe
 Params = Any
 
 __all__ = ["Model", "Block", "KVCache", "build", "ffn_dim", "dtype_of", "num_params",
-           "flops_per_token", "cross_entropy"]
+           "flops_per_token", "token_flops", "TokenFlops", "cross_entropy"]
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -361,20 +361,67 @@ def num_params(params: Params) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  """Model FLOPs of one training token (forward and backward), PaLM's convention.
+class TokenFlops(NamedTuple):
+  """Forward FLOPs of one token through each part of the model (a multiply-add is 2).
 
-  6 * (matmul parameters a token passes through: attention, the MLP or its
-  top_k experts and router, the output head) + 12 * n_layers * dim * seq_len
-  for the attention scores and their use. Rematerialisation and the
-  pipeline's recomputation are not counted: MFU measures useful work.
+  Per token of a sequence of T tokens, summed over the n_layers blocks; a
+  training step costs 3 times the forward (the backward is twice it).
+
+  Attributes:
+    dense: the blocks' matmuls with weights other than the experts: q, k, v,
+      o and the SwiGLU MLP (or, in a Mixture-of-Experts block, the router).
+    experts: the top_k experts a token is routed to (0 for a dense model).
+    expert_slots: what the expert kernels compute per token: every slot of
+      their fixed capacity, filled or not (about capacity_factor x experts).
+    attention: scores q k^T and their use p v under the causal mask, counted
+      as half of the full [T, T] products (2 * L * heads * head_dim * T), the
+      convention of FlashAttention's benchmarks: a causal kernel skips the
+      masked half.
+    attention_full: the same without the mask's saving (PaLM's 12LDT, /3).
+    head: the output layer, 2 * dim * vocab.
   """
+  dense: float
+  experts: float
+  expert_slots: float
+  attention: float
+  attention_full: float
+  head: float
+
+
+def token_flops(cfg: ModelConfig, seq_len: int) -> TokenFlops:
+  """The forward FLOPs of one token, part by part (see `TokenFlops`)."""
   head_dim = cfg.dim // cfg.n_heads
-  attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+  attn_proj = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+  experts = slots = 0.0
   if cfg.moe.num_experts:
     hidden = cfg.moe.ffn_dim or ffn_dim(cfg)
-    mlp = cfg.moe.top_k * 3 * cfg.dim * hidden + cfg.dim * cfg.moe.num_experts
+    mlp = cfg.dim * cfg.moe.num_experts  # the router
+    one = 2.0 * cfg.n_layers * 3 * cfg.dim * hidden  # one expert's matmuls for one token
+    experts = one * cfg.moe.top_k
+    # Every expert runs over all its slots of every sequence, per token of it.
+    slots = one * cfg.moe.num_experts * _moe.capacity(cfg, seq_len) / seq_len
   else:
     mlp = 3 * cfg.dim * ffn_dim(cfg)
-  matmul = cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
-  return 6.0 * matmul + 12.0 * cfg.n_layers * cfg.dim * seq_len
+  # Query heads times head size: the width the scores are computed over.
+  width = cfg.n_heads * head_dim
+  full = 4.0 * cfg.n_layers * width * seq_len
+  return TokenFlops(dense=2.0 * cfg.n_layers * (attn_proj + mlp), experts=experts,
+                    expert_slots=slots, attention=full / 2, attention_full=full,
+                    head=2.0 * cfg.dim * cfg.vocab_size)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+  """Model FLOPs of one training token (forward and backward): what MFU divides by.
+
+  3 x the forward of `token_flops`: 6 x the matmul parameters a token passes
+  through (attention projections, the MLP or its top_k experts and router,
+  the output head) plus attention's scores and weighted values. With
+  `causal` (the default) attention counts half of the [T, T] products, 6 x
+  layers x width x T, as a causal kernel computes; `causal=False` counts
+  all of them, 12 x layers x width x T (PaLM's convention; peers differ, so
+  tools print both). Rematerialisation and the pipeline's recomputation are
+  not counted: MFU measures useful work (`jaxpipe.accel.step_flops` counts
+  what the hardware does).
+  """
+  f = token_flops(cfg, seq_len)
+  return 3.0 * (f.dense + f.experts + f.head + (f.attention if causal else f.attention_full))

@@ -19,6 +19,7 @@ _LAZY = {
     "Schedule": "_schedules", "SyncState": "_schedules", "PipeDreamState": "_schedules",
     "TwoBWState": "_schedules", "InFlight": "_schedules", "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",
+    "LAYOUTS": "_mesh", "axes_across_nodes": "_mesh",
 }
 
 __all__ = ["Cell", "Facts", "PIPELINED", "SCHEDULE_NAMES", "StepPlan", "TickKind", "Timetable",

@@ -21,23 +21,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe.pipeline import _vocab
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, _no_experts
+from jaxpipe.pipeline._mesh import make_mesh
 from jaxpipe.pipeline._timetable import min_microbatches
 
 Tree = Any
 
 __all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight",
            "make_mesh", "split_params", "merge_params"]
-
-
-def make_mesh(num_stages: int, num_data: int, devices=None) -> Mesh:
-  """A ('stage', 'data') mesh of the first S*D devices, with Auto axes."""
-  devices = list(jax.devices() if devices is None else devices)
-  need = num_stages * num_data
-  if need > len(devices):
-    raise ValueError(f"the mesh needs stages x data = {num_stages} x {num_data} = {need} "
-                     f"devices, but only {len(devices)} are available")
-  grid = np.array(devices[:need], dtype=object).reshape(num_stages, num_data)
-  return Mesh(grid, (STAGE, DATA), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def split_params(params: Tree) -> tuple[Tree, Tree]:
