@@ -119,6 +119,8 @@ def test_the_loop_queues_step_k_plus_1_before_it_waits_for_step_k(tmp_path, monk
   import threading  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.experimental import io_callback  # pylint: disable=g-import-not-at-top
 
   from jaxpipe import config, trainer  # pylint: disable=g-import-not-at-top
   from tests import _runs  # pylint: disable=g-import-not-at-top
@@ -138,16 +140,37 @@ def test_the_loop_queues_step_k_plus_1_before_it_waits_for_step_k(tmp_path, monk
 
   real_step = trainer.Schedule.step
 
+  # XLA's CPU client runs a program holding a host callback inline, on the
+  # dispatching thread, whenever its inputs are ready; only a gate whose input
+  # is still being computed is queued. So every gate also takes the previous
+  # gate's output (still closed when the next gate is dispatched) and the first
+  # takes a long computation's, dispatched just before it.
+  @functools.partial(jax.jit, static_argnums=0)
+  def gated(k, loss, held):
+    loss = loss + 0.0 * held  # nothing folds 0 * x in floating point
+    return io_callback(functools.partial(wait_for, k), jax.ShapeDtypeStruct((), loss.dtype),
+                       loss, ordered=False)
+
+  @jax.jit
+  def long_computation(x):
+    m = jnp.full((512, 512), x)
+    return jnp.sum(jax.lax.fori_loop(0, 64, lambda _, a: jnp.tanh(a @ m), m)) * 0.0
+
+  held = []
+
   def step(self, state, tokens, targets, go=None):
     k = len([e for e in events if e[0] == "dispatch"])
     state, met = real_step(self, state, tokens, targets, go)
     events.append(("dispatch", k))
+    if k < steps - 1:
+      if not held:
+        held.append(long_computation(met["loss"]))
+      assert not timed_out, f"the loop waited for step(s) {timed_out} before queueing the next"
+      assert not held[-1].is_ready(), "the gate's input was computed before the gate was queued"
+      held.append(gated(k, met["loss"], held[-1]))
+      met = {**met, "loss": held[-1]}
     if k:
       gates[k - 1].set()  # step k is queued: step k-1 may be read now
-    if k < steps - 1:
-      gate = jax.jit(lambda x: jax.experimental.io_callback(
-          functools.partial(wait_for, k), jax.ShapeDtypeStruct((), x.dtype), x, ordered=False))
-      met = {**met, "loss": gate(met["loss"])}
     return state, met
 
   monkeypatch.setattr(trainer.Schedule, "step", step)

@@ -221,11 +221,13 @@ def check_generate(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
 
 def check_environment(dry_run: bool) -> dict[str, Any]:
   """What ran: versions, backend, device kind and its peak, XLA_FLAGS."""
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+
   import jax  # pylint: disable=g-import-not-at-top
-  import jaxlib  # pylint: disable=g-import-not-at-top
   from jaxpipe import accel  # pylint: disable=g-import-not-at-top
   kind = jax.devices()[0].device_kind
-  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+  # jaxlib comes with jax; its version is read from the installed metadata.
+  return {"jax": jax.__version__, "jaxlib": metadata.version("jaxlib"),
           "backend": jax.default_backend(), "devices": jax.device_count(), "device_kind": kind,
           "peak_tflops": accel.device_peak_tflops(kind),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
