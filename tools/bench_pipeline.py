@@ -295,6 +295,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help=f"model.remat (default {d.remat})")
   parser.add_argument("--stash", choices=("inputs", "residuals"), default=d.stash,
                       help=f"pipeline.stash (default {d.stash})")
+  parser.add_argument("--head", choices=("auto", "last_stage", "vocab_parallel"), default=d.head,
+                      help=f"pipeline.head (default {d.head})")
   parser.add_argument("--two-core", action="store_true",
                       help="real parallelism: S=2 stages on two cores against one device on one "
                            "core, a pinned process each (see docs/benchmark.md)")
@@ -312,7 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="two-core: the two CPU cores to pin to (default 0,1)")
   args = parser.parse_args(argv)
   shape = ModelShape(args.dim, args.layers, args.heads, args.kv_heads, args.seq_len,
-                     args.micro_rows, remat=args.remat, stash=args.stash)
+                     args.micro_rows, remat=args.remat, stash=args.stash, head=args.head)
   try:
     _check(args, shape)
   except ValueError as e:

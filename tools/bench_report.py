@@ -27,7 +27,7 @@ def two_core_table(rows: list[dict[str, Any]]) -> str:
       target = "-"
     else:
       status = "PASS" if r["speedup"] >= r["target"] else "MISS"
-      target = f">= {r['target']:.1f}x {status}"
+      target = f">= {r['target']:.2f}x {status}"
     lines.append(
         f"| {r['vocab']} | {labels.get(r['schedule'], r['schedule'])} | {r['ref_s']:.3f} | "
         f"{r['step_s']:.3f} | {r['speedup']:.2f}x | {r['q1']:.2f}-{r['q3']:.2f} | "

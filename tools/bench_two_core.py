@@ -318,6 +318,7 @@ def run(args, shape: ModelShape) -> int:
             f"model: {shape.layers} blocks, width {shape.dim}, {shape.heads} heads "
             f"({shape.kv_heads} kv), seq {shape.seq_len}; M={m} microbatches of "
             f"{shape.micro_rows} sequences; remat {shape.remat}; pipeline.stash {shape.stash}; "
+            f"pipeline.head {shape.head}; "
             "adamw; float32",
             f"one device pinned to core {args.cores.split(',')[0]}; 2 stages (or the ceiling's "
             f"2 devices) pinned to cores {args.cores}; one XLA thread per device; "

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""What users see: `train.py`'s own `step_time_s`, two stages on two cores against one device on one.
+
+  python tools/bench_train_steps.py                          # byte vocabulary, 2bw 1f1b gpipe
+  python tools/bench_train_steps.py --tokenizer gpt2 --rounds 3 --out-md /tmp/train_steps.md
+
+Runs `train.py --config configs/tiny.yaml` at the two-core benchmark's shape
+(`model.dim=256 model.n_layers=8 model.n_heads=4 model.n_kv_heads=2
+data.seq_len=64 data.batch_size=16 pipeline.microbatches=8
+pipeline.stash=residuals model.remat=dots`, AdamW, float32), each run a
+process of its own with one XLA thread per device
+(`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`): the one-device reference
+(`pipeline.schedule=none`) pinned to the first core with `taskset`, and each
+schedule with `pipeline.stages=2` pinned to both. A round runs each
+configuration once, in an order rotated every round. A run's step time is the
+median of its `metrics.jsonl` `step_time_s` from step 3 on (the first steps
+include compilation); a round's speed-up is the reference's over the
+schedule's. It prints a markdown table (each round's speed-up, their median,
+the load average) and writes it to --out-md. The runs' folders are made in a
+temporary directory and removed; the tokenised corpus is cached there too.
+
+Bad input exits with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = ("model.dim=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2",
+         "data.seq_len=64", "data.batch_size=16", "pipeline.microbatches=8",
+         "pipeline.stash=residuals", "model.remat=dots", "optimizer.name=adamw",
+         "eval.batches=0", "checkpoint.every=0")
+SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+# Steps before this one include the compilation and the first dispatches.
+FIRST_TIMED = 3
+
+
+def _load() -> str:
+  return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_once(schedule: str, cores: str, tokenizer: str, steps: int, work: str,
+             extra: tuple[str, ...] = ()) -> float:
+  """Median `step_time_s` from step FIRST_TIMED on of one pinned `train.py` run."""
+  run_dir = tempfile.mkdtemp(prefix=f"{schedule}-", dir=work)
+  stages = 1 if schedule == "none" else 2
+  cmd = ["taskset", "-c", cores, sys.executable, os.path.join(ROOT, "train.py"),
+         "--config", os.path.join(ROOT, "configs", "tiny.yaml"), *SHAPE,
+         f"data.tokenizer={tokenizer}", f"data.cache_dir={os.path.join(work, 'cache')}",
+         f"pipeline.schedule={schedule}", f"pipeline.stages={stages}",
+         f"run.dir={run_dir}", f"run.steps={steps}", *extra]
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", JAX_PLATFORMS="cpu")
+  done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+    raise RuntimeError(f"train.py {schedule} exited {done.returncode}: {tail[0]}")
+  times = []
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    for line in f:
+      rec = json.loads(line)
+      if rec.get("step_time_s") is not None and rec["step"] >= FIRST_TIMED:
+        times.append(rec["step_time_s"])
+  if not times:
+    raise RuntimeError(f"train.py {schedule}: no step times from step {FIRST_TIMED} on")
+  return statistics.median(times)
+
+
+def measure(schedules: tuple[str, ...], tokenizer: str, rounds: int, steps: int,
+            cores: tuple[str, str], log=print) -> list[dict]:
+  """{schedule, ref_s, step_s, speedups, median} per schedule over `rounds` rotated rounds."""
+  configs = ["none", *schedules]
+  times: dict[str, list[float]] = {c: [] for c in configs}
+  loads = [_load()]
+  with tempfile.TemporaryDirectory(prefix="jaxpipe-train-steps-") as work:
+    for i in range(rounds):
+      order = configs[i % len(configs):] + configs[:i % len(configs)]
+      for c in order:
+        where = cores[0] if c == "none" else ",".join(cores)
+        times[c].append(run_once(c, where, tokenizer, steps, work))
+        log(f"  round {i + 1}/{rounds} {c}: {times[c][-1]:.3f} s/step (load {_load()})")
+  loads.append(_load())
+  rows = []
+  for s in schedules:
+    ratios = [a / b for a, b in zip(times["none"], times[s])]
+    rows.append({"schedule": s, "ref_s": times["none"], "step_s": times[s],
+                 "speedups": ratios, "median": statistics.median(ratios),
+                 "load": f"{loads[0].split('/')[0]}-{loads[1].split('/')[0]}"})
+  return rows
+
+
+def table(rows: list[dict], tokenizer: str) -> str:
+  """Markdown: each schedule's step time and speed-up over the one-device run, per round."""
+  lines = ["| tokenizer | schedule | one device s/step (per round) | two cores s/step (per round) "
+           "| speed-up per round | median | load (1 min) |", "|---|---|---|---|---|---:|---|"]
+  for r in rows:
+    lines.append(f"| {tokenizer} | {r['schedule']} | "
+                 f"{' / '.join(f'{t:.3f}' for t in r['ref_s'])} | "
+                 f"{' / '.join(f'{t:.3f}' for t in r['step_s'])} | "
+                 f"{' / '.join(f'{x:.2f}x' for x in r['speedups'])} | {r['median']:.2f}x | "
+                 f"{r['load']} |")
+  return "\n".join(lines)
+
+
+def _fail(msg: str) -> None:
+  print(f"error: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """Parses the command line, runs the rounds, prints and writes the table."""
+  p = argparse.ArgumentParser(prog="bench_train_steps", description=__doc__.split("\n")[0])
+  p.add_argument("--schedules", default="2bw,1f1b,gpipe",
+                 help=f"comma-separated, of {', '.join(SCHEDULES)} (default 2bw,1f1b,gpipe)")
+  p.add_argument("--tokenizer", default="byte", choices=("byte", "gpt2"),
+                 help="byte (vocabulary 257) or gpt2 (50257)")
+  p.add_argument("--rounds", type=int, default=2, help="rotated rounds (default 2)")
+  p.add_argument("--steps", type=int, default=12, help="steps per run (default 12)")
+  p.add_argument("--cores", default="0,1", help="the two cores to pin to (default 0,1)")
+  p.add_argument("--out-md", default=None, help="write the markdown table here")
+  args = p.parse_args(argv)
+  schedules = tuple(s for s in args.schedules.split(",") if s)
+  bad = [s for s in schedules if s not in SCHEDULES]
+  if bad or not schedules:
+    _fail(f"--schedules: {','.join(bad) or '(none)'} not among {', '.join(SCHEDULES)}")
+  if args.rounds < 1:
+    _fail(f"--rounds must be at least 1, got {args.rounds}")
+  if args.steps < FIRST_TIMED + 2:
+    _fail(f"--steps must be at least {FIRST_TIMED + 2} (steps before {FIRST_TIMED} are not "
+          f"timed), got {args.steps}")
+  cores = tuple(args.cores.split(","))
+  try:
+    usable = os.sched_getaffinity(0)
+  except AttributeError:
+    usable = set(range(os.cpu_count() or 1))
+  if (len(cores) != 2 or cores[0] == cores[1] or not all(c.isdigit() for c in cores)
+      or not all(int(c) in usable for c in cores)):
+    _fail(f"--cores needs two different cores of {sorted(usable)}, got {args.cores!r}")
+  t0 = time.time()
+  print(f"load average at start: {_load()}", flush=True)
+  try:
+    rows = measure(schedules, args.tokenizer, args.rounds, args.steps, cores)
+  except RuntimeError as e:
+    _fail(str(e))
+  out = (f"train.py step_time_s, median from step {FIRST_TIMED} of {args.steps}; "
+         f"{args.rounds} rounds; wall {time.time() - t0:.0f} s\n\n" + table(rows, args.tokenizer))
+  print(out)
+  if args.out_md:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
+    with open(args.out_md, "w") as f:
+      f.write(out + "\n")
+    print(f"wrote {args.out_md}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
