@@ -85,7 +85,9 @@ class PipelineConfig:
   stash: str = "inputs"
   # Where the embedding and the output layer live in a pipelined schedule:
   # `vocab_parallel` (split over the stages by vocabulary: every stage does
-  # 1/S of each lookup and head, at four collectives per tick), `last_stage`
+  # 1/S of each lookup and head; per tick, the last block's output is sent to
+  # every stage and the head's input gradient summed over them, and the
+  # softmax statistics gathered; the lookup and its gradient once per step), `last_stage`
   # (whole on every stage; the first looks up, the last computes the head,
   # nothing exchanged per tick; the last stage does the head's work on top of
   # its blocks), or `auto`: last_stage when the head costs at most

@@ -447,3 +447,80 @@ def test_planner_json_puts_xla_beside_the_estimate():
 ])
 def test_planner_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("planner", *args))
+
+
+# --- bench_train_steps and bench_collectives --------------------------------------
+
+
+@pytest.mark.parametrize("tool,args", [
+    ("bench_train_steps", ("--schedules", "2bw,zb9")),
+    ("bench_train_steps", ("--schedules", "")),
+    ("bench_train_steps", ("--rounds", "0")),
+    ("bench_train_steps", ("--steps", "4")),
+    ("bench_train_steps", ("--cores", "0")),
+    ("bench_train_steps", ("--tokenizer", "sentencepiece")),
+    ("bench_collectives", ("--reps", "2")),
+    ("bench_collectives", ("--cores", "0,0")),
+    ("bench_collectives", ("--cores", "a,b")),
+])
+def test_new_bench_tools_refuse_bad_input_in_one_line(tool, args):
+  _one_line_error(_tool(tool, *args))
+
+
+def test_bench_train_steps_rotates_rounds_and_divides_the_reference(monkeypatch):
+  """Each round runs every configuration once, rotated; a round's speed-up is none's time over the schedule's."""
+  mod = _load("bench_train_steps")
+  calls = []
+  fake = {"none": [0.8, 0.6], "2bw": [0.5, 0.4], "1f1b": [0.4, 0.5]}
+
+  def run_once(schedule, cores, tokenizer, steps, work, extra=()):
+    calls.append((schedule, cores))
+    return fake[schedule][sum(1 for c, _ in calls if c == schedule) - 1]
+
+  monkeypatch.setattr(mod, "run_once", run_once)
+  rows = mod.measure(("2bw", "1f1b"), "byte", 2, 8, ("0", "1"), log=lambda _: None)
+  assert calls == [("none", "0"), ("2bw", "0,1"), ("1f1b", "0,1"),
+                   ("2bw", "0,1"), ("1f1b", "0,1"), ("none", "0")]
+  by = {r["schedule"]: r for r in rows}
+  assert by["2bw"]["speedups"] == pytest.approx([0.8 / 0.5, 0.6 / 0.4])
+  assert by["1f1b"]["median"] == pytest.approx((0.8 / 0.4 + 0.6 / 0.5) / 2)
+  table = mod.table(rows, "byte")
+  assert "| byte | 2bw | 0.800 / 0.600 | 0.500 / 0.400 | 1.60x / 1.50x | 1.55x |" in table
+
+
+def test_bench_train_steps_reads_train_py_step_times(tmp_path, monkeypatch):
+  """run_once takes the median step_time_s from step 3 on, from the run's metrics.jsonl."""
+  import subprocess as sp  # pylint: disable=g-import-not-at-top
+  mod = _load("bench_train_steps")
+  seen = {}
+
+  def fake_run(cmd, **kwargs):
+    seen["cmd"], seen["env"] = cmd, kwargs["env"]
+    run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("run.dir="))
+    recs = [{"step": k, "loss": 1.0, "step_time_s": t}
+            for k, t in enumerate([9.0, 5.0, 4.0, 0.5, 0.7, 0.6])]
+    recs.append({"step": 6, "val_loss": 1.0})
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in recs))
+    return sp.CompletedProcess(cmd, 0, "", "")
+
+  monkeypatch.setattr(mod.subprocess, "run", fake_run)
+  assert mod.run_once("2bw", "0,1", "byte", 6, str(tmp_path)) == pytest.approx(0.6)
+  cmd = seen["cmd"]
+  assert cmd[:3] == ["taskset", "-c", "0,1"] and "pipeline.stages=2" in cmd
+  assert "pipeline.schedule=2bw" in cmd and "model.dim=256" in cmd
+  assert seen["env"]["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false"
+
+
+@pytest.mark.slow
+def test_bench_collectives_times_every_collective_both_ways(tmp_path):
+  """Each collective and payload is timed in one process and over two gloo processes."""
+  if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip("needs two cores")
+  cores = sorted(os.sched_getaffinity(0))[:2]
+  out = tmp_path / "c.md"
+  p = _tool("bench_collectives", "--reps", "4", "--cores", f"{cores[0]},{cores[1]}",
+            "--out-md", str(out), timeout=600)
+  assert p.returncode == 0, p.stderr
+  rows = re.findall(r"^\| (ppermute|psum|all_gather) \| .*\| ([0-9.]+)x \|$", out.read_text(), re.M)
+  assert len(rows) == 9 and all(float(r) > 0 for _, r in rows), out.read_text()

@@ -24,7 +24,6 @@ Bad input exits with status 2 and one line on stderr.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,6 +34,10 @@ import time
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jaxpipe.cli._common import Parser  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 SHAPE = ("model.dim=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2",
          "data.seq_len=64", "data.batch_size=16", "pipeline.microbatches=8",
          "pipeline.stash=residuals", "model.remat=dots", "optimizer.name=adamw",
@@ -111,13 +114,13 @@ def table(rows: list[dict], tokenizer: str) -> str:
 
 
 def _fail(msg: str) -> None:
-  print(f"error: {msg}", file=sys.stderr)
+  print(f"bench_train_steps: {msg}", file=sys.stderr)
   sys.exit(2)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
   """Parses the command line, runs the rounds, prints and writes the table."""
-  p = argparse.ArgumentParser(prog="bench_train_steps", description=__doc__.split("\n")[0])
+  p = Parser(prog="bench_train_steps", description=__doc__.split("\n")[0])
   p.add_argument("--schedules", default="2bw,1f1b,gpipe",
                  help=f"comma-separated, of {', '.join(SCHEDULES)} (default 2bw,1f1b,gpipe)")
   p.add_argument("--tokenizer", default="byte", choices=("byte", "gpt2"),

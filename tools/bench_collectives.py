@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""What one collective costs on the CPU: two devices of one process against two gloo processes.
+
+  python tools/bench_collectives.py                     # the two-core benchmark's tick shapes
+  python tools/bench_collectives.py --reps 200 --out-md /tmp/collectives.md
+
+A program that does only collectives, nothing else: each of `ppermute`
+(stage to stage, the pipeline's send), `psum` (an all-reduce) and
+`all_gather`, on arrays of the two-core benchmark's sizes (a microbatch's
+activation, 2 x 64 x 256 float32 = 128 KiB; the softmax statistics of a
+microbatch, 2 x 64 x 3; a block's weight gradient, 256 x 704 = 704 KiB),
+jitted under `shard_map` over two devices and timed `--reps` times
+(median and quartiles of the wall time of one call, `block_until_ready`
+included). It runs twice, each time pinned to two cores with one XLA thread
+per device: two emulated devices in one process (XLA's in-process CPU
+collectives), and two `jax.distributed` processes, one device and one core
+each, on loopback (gloo, as in the benchmark's 'x2' rows). Bad input exits
+with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxpipe.cli._common import Parser  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# (name, shape): the pipeline's per-tick and per-step payloads at the benchmark's shape.
+PAYLOADS = (("activation 2x64x256", (2, 64, 256)), ("softmax stats 2x64x3", (2, 64, 3)),
+            ("weight gradient 256x704", (256, 704)))
+OPS = ("ppermute", "psum", "all_gather")
+
+
+def _worker(spec: dict) -> None:
+  """In a pinned child: times every (op, payload) and prints one JSON line."""
+  dist = spec.get("dist")
+  count = 1 if dist else 2
+  os.environ["XLA_FLAGS"] = ("--xla_cpu_multi_thread_eigen=false "
+                             f"--xla_force_host_platform_device_count={count}")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  if dist:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=dist["coordinator"], num_processes=2,
+                               process_id=dist["process_id"])
+  mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
+  split = NamedSharding(mesh, P("stage"))
+  bodies = {"ppermute": lambda x: jax.lax.ppermute(x, "stage", [(0, 1), (1, 0)]),
+            "psum": lambda x: jax.lax.psum(x, "stage"),
+            "all_gather": lambda x: jax.lax.all_gather(x, "stage", tiled=True)}
+  result = {}
+  for op in OPS:
+    for name, shape in PAYLOADS:
+      fn = jax.jit(jax.shard_map(bodies[op], mesh=mesh, in_specs=P("stage"),
+                                 out_specs=P("stage"), check_vma=False))
+      global_shape = (2 * shape[0], *shape[1:])
+      x = jax.make_array_from_callback(global_shape, split,
+                                       lambda idx: np.ones(global_shape, np.float32)[idx])
+      jax.block_until_ready(fn(x))
+      times = []
+      for _ in range(spec["reps"]):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t0)
+      times.sort()
+      result[f"{op} | {name}"] = [times[len(times) // 4] * 1e6, statistics.median(times) * 1e6,
+                                  times[(3 * len(times)) // 4] * 1e6]
+  if jax.process_index() == 0:
+    print("@collectives " + json.dumps(result), flush=True)
+  if dist:
+    jax.distributed.shutdown()
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run(cores: tuple[str, str], reps: int, processes: bool) -> dict:
+  """{op | payload: [q1, median, q3] microseconds}, one process or two."""
+  me = os.path.abspath(__file__)
+  if processes:
+    coordinator = f"127.0.0.1:{_free_port()}"
+    specs = [({"reps": reps, "dist": {"coordinator": coordinator, "process_id": i}}, core)
+             for i, core in enumerate(cores)]
+  else:
+    specs = [({"reps": reps}, ",".join(cores))]
+  procs = [subprocess.Popen(["taskset", "-c", core, sys.executable, me, json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for spec, core in specs]
+  outs = [p.communicate(timeout=1200) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    if p.returncode != 0:
+      raise RuntimeError(f"a timing process exited {p.returncode}: "
+                         f"{(err.strip().splitlines() or ['(no output)'])[-1]}")
+  for out, _ in outs:
+    for line in out.splitlines():
+      if line.startswith("@collectives "):
+        return json.loads(line[len("@collectives "):])
+  raise RuntimeError("no timing came back")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """Parses the command line, times both ways, prints (and writes) the table."""
+  p = Parser(prog="bench_collectives", description=__doc__.split("\n")[0])
+  p.add_argument("--reps", type=int, default=100, help="timed calls per collective (default 100)")
+  p.add_argument("--cores", default="0,1", help="the two cores to pin to (default 0,1)")
+  p.add_argument("--out-md", default=None, help="write the markdown table here")
+  args = p.parse_args(argv)
+  if args.reps < 4:
+    print(f"bench_collectives: --reps must be at least 4, got {args.reps}", file=sys.stderr)
+    return 2
+  cores = tuple(args.cores.split(","))
+  usable = os.sched_getaffinity(0)
+  if (len(cores) != 2 or cores[0] == cores[1] or not all(c.isdigit() for c in cores)
+      or not all(int(c) in usable for c in cores)):
+    print(f"bench_collectives: --cores needs two different cores of {sorted(usable)}, "
+          f"got {args.cores!r}", file=sys.stderr)
+    return 2
+  load = "/".join(f"{x:.2f}" for x in os.getloadavg())
+  try:
+    one, two = _run(cores, args.reps, False), _run(cores, args.reps, True)
+  except (RuntimeError, subprocess.TimeoutExpired) as e:
+    print(f"bench_collectives: {e}", file=sys.stderr)
+    return 1
+  lines = [f"{args.reps} calls each, pinned to cores {args.cores}; load average at start {load}, "
+           f"at end {'/'.join(f'{x:.2f}' for x in os.getloadavg())}", "",
+           "| collective | payload | one process, 2 devices: median us (quartiles) "
+           "| two gloo processes: median us (quartiles) | ratio |", "|---|---|---:|---:|---:|"]
+  for key, (q1, med, q3) in one.items():
+    g1, gmed, g3 = two[key]
+    op, payload = key.split(" | ")
+    lines.append(f"| {op} | {payload} | {med:.0f} ({q1:.0f}-{q3:.0f}) | "
+                 f"{gmed:.0f} ({g1:.0f}-{g3:.0f}) | {gmed / med:.1f}x |")
+  text = "\n".join(lines)
+  print(text)
+  if args.out_md:
+    with open(args.out_md, "w") as f:
+      f.write(text + "\n")
+    print(f"wrote {args.out_md}")
+  return 0
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 2 and sys.argv[1].startswith("{"):
+    _worker(json.loads(sys.argv[1]))
+  else:
+    sys.exit(main())
