@@ -473,8 +473,8 @@ def test_a_2bw_checkpoint_holds_no_in_flight_arrays_and_resumes_bit_for_bit(tmp_
   # buffers in transit and the partial gradient are recomputed at resume.
   assert sorted(k for k in saved if k.startswith("inflight.")) == ["inflight.targets",
                                                                    "inflight.tokens"]
-  assert nbytes(saved.values()) == nbytes(run.schedule.checkpointed(abstract))
-  assert nbytes(saved.values()) < nbytes(abstract) / 2
+  assert nbytes(list(saved.values())) == nbytes(run.schedule.checkpointed(abstract))
+  assert nbytes(list(saved.values())) < nbytes(abstract) / 2
   resumed = str(tmp_path / "resumed")
   _resume_from_3(lean_run, resumed)
   _assert_same_run(lean_run, resumed)
@@ -505,7 +505,10 @@ def _live_slots(plan, k):
   live = [set() for _ in range(plan.num_stages)]
   for t in range(plan.num_ticks):
     for s in range(plan.num_stages):
-      if 0 <= plan.bwd[t, s] < plan.history:
+      b = plan.bwd[t, s]
+      # The last stage runs a microbatch's forward in the very tick of its
+      # backward: that slot is written in step k before it is read.
+      if 0 <= b < plan.history and b not in plan.fwd[:t + 1, s]:
         live[s].add((base + int(plan.bwd_slot[t, s])) % plan.slots)
   return live
 
@@ -542,7 +545,7 @@ def test_the_recomputed_in_flight_state_is_what_was_in_flight(stash, shape, guar
     assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(getattr(got, name)),
                                                 jax.tree.leaves(getattr(want, name)))), name
   live = _live_slots(sched.plan, k)
-  assert all(live)
+  assert any(live)   # the last stage has none: its backward follows its forward
   for a, b in zip(jax.tree.leaves(got.stash), jax.tree.leaves(want.stash)):  # [S, D, slot, ...]
     for s in range(s_):
       for slot in live[s]:
