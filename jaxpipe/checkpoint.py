@@ -1,9 +1,13 @@
 """Checkpoints with orbax: the whole training state, the data position and the config.
 
 A checkpoint at step n (n optimizer steps done) holds three items:
-  state: the schedule's state pytree (weights and their versions, optimizer
-         state, for 2bw everything in flight between steps), each array
-         restored into the sharding it had;
+  state: the schedule's state as `Schedule.checkpointed` gives it: what
+         cannot be recomputed (weights and their versions, optimizer state,
+         for 2bw the tokens of the batch still in flight), each array
+         restored into the sharding it had. 2bw's stash, activations in
+         transit and partial gradient are left out (None in the tree) and
+         recomputed at resume from the saved batch and weights; older
+         checkpoints that hold them still resume, those arrays unread;
   data:  the input pipeline's iterator state (JSON);
   meta:  the resolved config and the step (JSON).
 orbax writes each checkpoint into a temporary directory and renames it when

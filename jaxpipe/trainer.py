@@ -303,7 +303,14 @@ def _saved_layout(run: Run, ckpt: Checkpointer, step: int,
 
 
 def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], state):
-  """Checkpoint `step` as (state, data state), on this run's mesh whatever it was saved on."""
+  """Checkpoint `step` as (state, data state), on this run's mesh whatever it was saved on.
+
+  `state` is this run's initial state (its buffers are consumed). The arrays
+  the schedule saves are read into their shardings here; what it does not
+  save (2bw's in-flight state) it recomputes (`Schedule.resume`). An older
+  checkpoint that holds 2bw's in-flight arrays too is read the same way:
+  they are left on disk and recomputed, bit for bit where they are read.
+  """
   cfg, schedule = run.cfg, run.schedule
   s_old, d_old = _saved_layout(run, ckpt, step, saved)
   # Whether the experts were split over 'data' changes the per-device shapes
@@ -320,12 +327,13 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   vp_old = config_lib.vocab_parallel(cfg.model, dataclasses.replace(
       cfg.pipeline, stages=s_old, head=saved_head))
   vp_new = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
-  if (s_old, d_old, split_old, vp_old) == (cfg.pipeline.stages, cfg.mesh.data, split_new,
-                                           vp_new):
+  moved = (s_old, d_old, split_old, vp_old) != (cfg.pipeline.stages, cfg.mesh.data, split_new,
+                                                vp_new)
+  keep = schedule.saved_fields(state)
+  if not moved and all(jax.tree.leaves(keep)):  # the whole state, read as it was saved
     state, data_state, _ = ckpt.restore(step, state)
     return state, data_state
   shapes = ckpt.saved_shapes(step)
-  keep = schedule.restored_fields(state)
   abstract = {}
   for (path, x), wanted in zip(jax.tree_util.tree_flatten_with_path(state)[0],
                                jax.tree.leaves(keep)):
@@ -344,10 +352,10 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   arrays, data_state = ckpt.restore_arrays(step, abstract)
   restored = jax.tree_util.tree_map_with_path(lambda p, x: arrays.get(path_key(p), x), state)
   try:
-    new_state = schedule.relayout(restored, state)
+    new_state = schedule.resume(restored, state, guarded=cfg.run.nan_policy == "stop")
   except ValueError as e:
     raise CheckpointError(f"cannot resume {ckpt.directory}/{step} on this mesh: {e}") from None
-  if jax.process_index() == 0:
+  if moved and jax.process_index() == 0:
     experts = (f" (experts {'split over data' if split_new else 'on every replica'})"
                if split_old != split_new else "")
     head = (f" (embedding and head {'split over the stages' if vp_new else 'whole'})"
@@ -500,7 +508,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   feed = _loop.Feed(it, begun.to_global, poison, start)
   saves = _loop.CheckpointPolicy(
       ckpt, cfg.checkpoint.every, steps, begun.latest, kill=kill,
-      payload=lambda k: (state, feed.data_state(), _meta(cfg, k)))
+      payload=lambda k: (schedule.checkpointed(state), feed.data_state(), _meta(cfg, k)))
   if start == 0 and evaluate.batches:
     report.summary["first_val_loss"] = evaluate(state)
     report.validation(0, report.summary["first_val_loss"])

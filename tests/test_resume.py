@@ -393,3 +393,179 @@ def test_an_interrupt_in_a_save_wait_logs_no_traceback(tmp_path, caplog):
       except BaseException:  # pylint: disable=broad-except
         absl_logging.error("Save Finalize thread failed.", exc_info=True)
   assert [r.exc_info[0] for r in caplog.records] == [RuntimeError]
+
+
+# --- lean checkpoints: 2bw's in-flight state is recomputed, not saved ------------------
+
+# 2bw with a residual stash, Muon and the correction: the largest in-flight
+# state (the vjp's residuals per slot) beside every kind of saved state.
+LEAN = ["run.steps=6", "checkpoint.every=3", "pipeline.schedule=2bw", "pipeline.stages=2",
+        "pipeline.microbatches=2", "pipeline.stash=residuals", "optimizer.name=muon",
+        "optimizer.error_feedback=1"]
+
+
+def _same_bits(a, b) -> bool:
+  a, b = np.asarray(a), np.asarray(b)
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _saved_arrays(run_dir, step):
+  """{dotted name: orbax's array metadata} of the arrays checkpoint `step`'s state holds."""
+  from jaxpipe.runs import _saved_tree as saved_tree
+  _, flat = saved_tree(os.path.join(run_dir, "checkpoints"), step)
+  return {k: v for k, v in flat.items() if hasattr(v, "shape")}
+
+
+def _state_values(run_dir, step):
+  """{dotted name: NumPy array} of every array checkpoint `step`'s state holds, as saved."""
+  import jax
+  import orbax.checkpoint as ocp
+  from jaxpipe.checkpoint import path_key
+  manager = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
+                                  item_names=("state", "data", "meta"))
+  try:
+    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  finally:
+    manager.close()
+  flat = jax.tree_util.tree_flatten_with_path(out["state"])[0]
+  return {path_key(p): np.asarray(x) for p, x in flat}
+
+
+def _disk_bytes(path):
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+@pytest.fixture(scope="module")
+def lean_run(tmp_path_factory, cache):
+  """The uninterrupted 2bw run of LEAN, with checkpoints 3 and 6."""
+  run_dir = str(tmp_path_factory.mktemp("lean"))
+  _train(run_dir, *LEAN)
+  return run_dir
+
+
+def _resume_from_3(source, run_dir):
+  """Copies a run, drops its checkpoint 6 and continues it from checkpoint 3."""
+  shutil.copytree(source, run_dir)
+  shutil.rmtree(os.path.join(run_dir, "checkpoints", "6"))
+  assert _train(run_dir, *LEAN)["start_step"] == 3
+
+
+def _assert_same_run(a, b):
+  """Equal losses and an equal checkpoint 6, bit for bit."""
+  assert _runs.train_losses(a) == _runs.train_losses(b)
+  assert _runs.val_losses(a) == _runs.val_losses(b)
+  va, vb = _state_values(a, 6), _state_values(b, 6)
+  assert sorted(va) == sorted(vb)
+  assert [k for k in va if not _same_bits(va[k], vb[k])] == []
+
+
+def test_a_2bw_checkpoint_holds_no_in_flight_arrays_and_resumes_bit_for_bit(tmp_path, lean_run):
+  import jax
+  cfg = config.load(_runs.TINY, [f"run.dir={lean_run}", *LEAN])
+  run = trainer.build(cfg)
+  abstract = jax.eval_shape(lambda r: run.schedule.init_sharded(run.model.init, r,
+                                                                run.batch_shape),
+                            jax.random.key(0))
+  nbytes = lambda tree: sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                            for x in jax.tree.leaves(tree))
+  saved = _saved_arrays(lean_run, 3)
+  # Of the in-flight state only batch k-1's tokens are saved; the stash, the
+  # buffers in transit and the partial gradient are recomputed at resume.
+  assert sorted(k for k in saved if k.startswith("inflight.")) == ["inflight.targets",
+                                                                   "inflight.tokens"]
+  checkpointed = run.schedule.checkpointed(abstract)
+  dotted = lambda path: ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+                                 for k in path)
+  # The optimizer's state is left out of the comparison: the listing of
+  # `_saved_tree` names its nested tuples differently (the bit-exact resumes
+  # below show it is all saved).
+  expected = {dotted(path) for path, _ in jax.tree_util.tree_flatten_with_path(checkpointed)[0]}
+  assert {k for k in saved if not k.startswith("opt_state.")} == {
+      k for k in expected if not k.startswith("opt_state.")}
+  assert nbytes(checkpointed) < nbytes(abstract) / 2
+  resumed = str(tmp_path / "resumed")
+  _resume_from_3(lean_run, resumed)
+  _assert_same_run(lean_run, resumed)
+
+
+def test_an_older_checkpoint_with_in_flight_arrays_resumes_bit_for_bit(tmp_path, lean_run,
+                                                                        monkeypatch):
+  """Checkpoints written before they were lean hold 2bw's in-flight arrays: they are left unread."""
+  from jaxpipe.pipeline._schedules import TwoBW
+  older = str(tmp_path / "older")
+  with monkeypatch.context() as m:
+    m.setattr(TwoBW, "checkpointed", lambda self, state: state)   # the older format
+    _train(older, *LEAN)
+  saved = _saved_arrays(older, 3)
+  assert any(k.startswith("inflight.stash.") for k in saved)
+  assert _disk_bytes(os.path.join(older, "checkpoints", "3")) > _disk_bytes(
+      os.path.join(lean_run, "checkpoints", "3"))
+  resumed = str(tmp_path / "resumed")
+  _resume_from_3(older, resumed)
+  _assert_same_run(lean_run, resumed)
+  # The resumed run writes the lean format.
+  assert not any(k.startswith("inflight.stash.") for k in _saved_arrays(resumed, 6))
+
+
+def _live_slots(plan, k):
+  """Per stage, the stash slots step k reads before it writes them: batch k-1's entries."""
+  base = (k * plan.num_microbatches) % plan.slots
+  live = [set() for _ in range(plan.num_stages)]
+  for t in range(plan.num_ticks):
+    for s in range(plan.num_stages):
+      b = plan.bwd[t, s]
+      # The last stage runs a microbatch's forward in the very tick of its
+      # backward: that slot is written in step k before it is read.
+      if 0 <= b < plan.history and b not in plan.fwd[:t + 1, s]:
+        live[s].add((base + int(plan.bwd_slot[t, s])) % plan.slots)
+  return live
+
+
+@pytest.mark.parametrize("stash,shape,guarded", [("residuals", (2, 1, 2), True),
+                                                 ("inputs", (2, 2, 3), False)])
+def test_the_recomputed_in_flight_state_is_what_was_in_flight(stash, shape, guarded):
+  """`TwoBW.resume` remakes the in-flight state from the saved arrays, bit for bit where read.
+
+  Compared array by array with the uninterrupted run's after 3 steps
+  (buffers in transit, partial gradient and loss whole; the stash in the
+  slots the next step reads), then over two more steps of both.
+  """
+  import jax
+  from jaxpipe.pipeline import make_mesh, make_schedule
+  from tests import _pipeline_util as pu
+  s_, d_, m = shape
+  sched = make_schedule("2bw", pu.stage_fns(), pu.optimizer("muon", ef=1.0),
+                        make_mesh(s_, d_), m, stash=stash)
+  batch_shape = (m, pu.ROWS, pu.SEQ)
+  data = [tuple(jax.device_put(x, sched.batch_sharding()) for x in b) for b in pu.batches(m)]
+  go = jax.device_put(np.asarray(True), sched.replicated()) if guarded else None
+  state, k = sched.init(pu.initial_params(), batch_shape), 3
+  for tokens, targets in data[:k]:
+    state, _ = sched.step(state, tokens, targets, go)
+  saved = jax.device_get(state)
+  fresh = sched.init(pu.initial_params(), batch_shape)
+  # What a checkpoint gives: copies of the saved arrays, the fresh state's elsewhere.
+  restored = jax.tree.map(lambda keep, x, y: jax.device_put(x, y.sharding) if keep else y,
+                          sched.saved_fields(state), saved, fresh)
+  rebuilt = sched.resume(restored, fresh, guarded=guarded)
+  got, want = jax.device_get(rebuilt.inflight), saved.inflight
+  for name in ("fwd_buf", "bwd_buf", "acc", "loss", "tokens", "targets"):
+    assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(getattr(got, name)),
+                                                jax.tree.leaves(getattr(want, name)))), name
+  live = _live_slots(sched.plan, k)
+  assert any(live)   # the last stage has none: its backward follows its forward
+  for a, b in zip(jax.tree.leaves(got.stash), jax.tree.leaves(want.stash)):  # [S, D, slot, ...]
+    for s in range(s_):
+      for slot in live[s]:
+        assert _same_bits(a[s, :, slot], b[s, :, slot])
+  assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(rebuilt.prev)),
+                                              jax.tree.leaves(saved.prev)))
+  for tokens, targets in data[k:k + 2]:
+    state, met_a = sched.step(state, tokens, targets, go)
+    rebuilt, met_b = sched.step(rebuilt, tokens, targets, go)
+    assert _same_bits(met_a["loss"], met_b["loss"])
+  # Two steps on: the weights, the optimizer state and batch k+1's partial gradient.
+  pick = lambda st: jax.device_get((st.prev, st.cur, st.opt_state, st.inflight.acc,
+                                    st.inflight.loss))
+  assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(pick(rebuilt)),
+                                              jax.tree.leaves(pick(state))))

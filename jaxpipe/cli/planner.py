@@ -156,6 +156,10 @@ class Plan:
       `Engine.traffic`); {} without stages.
     vocab_parallel: whether the embedding and head are split over the
       stages (`pipeline.head`).
+    checkpoint: {schedule: {stash: (bytes a checkpoint's state holds, bytes
+      of the whole state)}}, over the whole mesh (`Schedule.checkpointed`:
+      2bw's in-flight arrays are recomputed at resume, not saved); None
+      where the schedule refuses the config.
   """
   cfg: config_lib.Config
   num_params: int
@@ -166,6 +170,8 @@ class Plan:
   warnings: list[str]
   traffic: dict[str, float] = dataclasses.field(default_factory=dict)
   vocab_parallel: bool = True
+  checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = dataclasses.field(
+      default_factory=dict)
 
   def total(self, schedule: str, stash: Optional[str] = None) -> Optional[int]:
     """Bytes per device of a schedule (with the config's stash choice by default).
@@ -257,16 +263,17 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   f32 = lambda tree: sum(int(x.size) * 4 for x in jax.tree.leaves(tree))
 
   out: dict[str, dict[str, Optional[dict[str, int]]]] = {}
+  checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = {}
   bubble: dict[str, Optional[float]] = {}
   warnings: list[str] = []
   stage_params = 0
   for name in SCHEDULES:
     pipelined = name != "none"
     bubble[name] = steady_bubble(name, s_, m)
-    out[name] = {}
+    out[name], checkpoint[name] = {}, {}
     stashes = STASHES if pipelined else ("inputs",)
     if pipelined and m < min_microbatches(name, s_):
-      out[name] = {st: None for st in stashes}
+      out[name] = checkpoint[name] = {st: None for st in stashes}
       continue
     num = s_ if pipelined else 1
     whole, local, _, _ = stage_shapes(num)
@@ -308,6 +315,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
                                 cfg.model, dataclasses.replace(cfg.pipeline, stages=num)))
       state = jax.eval_shape(lambda p, sched=sched: sched.init(p, batch_shape), params)
       nbytes = _device_bytes(state, sched.state_shardings(state))
+      checkpoint[name][stash] = (_bytes(sched.checkpointed(state)), _bytes(state))
       row = {k: 0 for k, _ in ROWS}
       for field in type(state).KINDS:
         value = sum(jax.tree.leaves(getattr(nbytes, field)))
@@ -385,7 +393,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
                       f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
   limit = device_gib * 2 ** 30
   result = Plan(cfg, num_params, int(stage_params), out, work_per_stage, bubble, warnings,
-                traffic, vp)
+                traffic, vp, checkpoint)
   for name in SCHEDULES:
     total = result.total(name)
     if total is not None and total > limit:
@@ -491,6 +499,13 @@ def format_plan(p: Plan, device_gib: float) -> str:
                            for j, c in enumerate(r)))
     if i == 0:
       lines.append("  ".join("-" * w for w in widths))
+  saved = p.checkpoint.get(cfg.pipeline.schedule, {}).get(
+      cfg.pipeline.stash if cfg.pipeline.schedule != "none" else "inputs")
+  if saved is not None:
+    lines += ["", f"checkpoint ({cfg.pipeline.schedule}, whole mesh): {human(saved[0])} of a "
+              f"{human(saved[1])} state"
+              + (f"; the {human(saved[1] - saved[0])} in flight is recomputed at resume"
+                 if saved[1] > saved[0] else "")]
   if p.work:
     name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
     lines += ["", f"work per tick (one microbatch's forward and backward), {name}, "
@@ -534,7 +549,8 @@ def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
   (the planner's total per device) and `xla_resident_gib` (XLA's resident
   bytes of the compiled step, None without --compile), with `xla` (XLA's
   byte counts) beside them; under `estimates`, the planner's total for every
-  schedule and stash choice (None where a schedule cannot run the config).
+  schedule and stash choice (None where a schedule cannot run the config);
+  `checkpoint_bytes`, the config's checkpoint and whole state ({saved, state}).
   """
   cfg = p.cfg
   gib = lambda n: None if n is None else n / 2 ** 30
@@ -550,6 +566,9 @@ def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
                     for n in SCHEDULES},
       "traffic_bytes_per_tick": p.traffic,
       "vocab_parallel": p.vocab_parallel,
+      "checkpoint_bytes": dict(zip(("saved", "state"), p.checkpoint.get(
+          cfg.pipeline.schedule, {}).get(cfg.pipeline.stash if cfg.pipeline.schedule != "none"
+                                          else "inputs") or (None, None))),
   }
   return out
 

@@ -528,33 +528,48 @@ class Schedule:
     """Loss of the batch whose report is still in flight (2bw), else None."""
     return None
 
-  # --- resuming on another mesh ----------------------------------------------------
+  # --- checkpoints and resuming ------------------------------------------------
   #
-  # A checkpoint's arrays keep their global shapes when only the data degree
-  # changes, and orbax reshards them on restore. What a stage count decides:
-  # the vocabulary padding (a multiple of S), pipedream's S weight versions
-  # and 2bw's per-device in-flight buffers, which `relayout` handles.
+  # A checkpoint holds what cannot be recomputed (`saved_fields`); `resume`
+  # makes the state to continue from out of what was read, on this mesh or
+  # another. A checkpoint's arrays keep their global shapes when only the
+  # data degree changes, and orbax reshards them on restore. What a stage
+  # count decides: the vocabulary padding (a multiple of S) and pipedream's S
+  # weight versions; 2bw's per-device in-flight buffers are not saved at all.
 
   def check_relayout(self, saved_stages: int, saved_data: int) -> None:
     """Raises ValueError if a state saved on a saved_stages x saved_data mesh cannot resume here."""
     del saved_stages, saved_data
 
-  def restored_fields(self, state: NamedTuple) -> NamedTuple:
-    """A tree of bools shaped like `state`: the arrays a checkpoint of another mesh supplies.
+  def saved_fields(self, state: NamedTuple) -> NamedTuple:
+    """A tree of bools shaped like `state`: the arrays a checkpoint holds.
 
-    The others are rebuilt by `relayout`.
+    The others are recomputed from them by `resume`.
     """
     return jax.tree.map(lambda _: True, state)
 
-  def relayout(self, restored: NamedTuple, fresh: NamedTuple) -> NamedTuple:
-    """This mesh's state from `restored`, read off a checkpoint of another mesh.
+  def checkpointed(self, state: NamedTuple) -> NamedTuple:
+    """`state` as a checkpoint holds it: the arrays `saved_fields` leaves out are None.
 
-    `fresh` is this mesh's initial state: it gives every array's shape and
-    sharding, and the arrays `restored_fields` leaves out. A vocabulary axis
-    padded for another stage count is cut back to the vocabulary and padded
-    again with zeros (padding rows hold zeros under every optimizer, see
-    `_vocab.pad_vocab`); every other array must already have its shape here.
+    Takes arrays or `jax.eval_shape` structs (the planner sizes checkpoints with it).
     """
+    return jax.tree.map(lambda keep, x: x if keep else None, self.saved_fields(state), state)
+
+  def resume(self, restored: NamedTuple, fresh: NamedTuple, *,
+             guarded: bool = False) -> NamedTuple:
+    """The state to continue from, out of `restored`, read off a checkpoint of any mesh.
+
+    `restored` holds the checkpoint's arrays where `saved_fields` says so
+    and `fresh`'s elsewhere; `fresh` is this mesh's initial state: it gives
+    every array's shape and sharding, and its buffers may be consumed. A
+    vocabulary axis padded for another stage count is cut back to the
+    vocabulary and padded again with zeros (padding rows hold zeros under
+    every optimizer, see `_vocab.pad_vocab`); every other array must already
+    have its shape here. `guarded`: whether the run's steps take `go` (see
+    `step`), so that a recomputation runs the very program they run.
+    """
+    del guarded
+
     def fit(x, like):
       if x.shape == like.shape:
         return x if x.sharding == like.sharding else jax.device_put(x, like.sharding)

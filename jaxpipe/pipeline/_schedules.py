@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -267,7 +268,8 @@ class TwoBW(_Pipelined):
   v[k+1] = v[k] + U(G[k-1]) becomes `cur` while v[k] becomes `prev`. Step 0
   has no finished batch: v[1] = v[0] and the optimizer is not called. The
   stash, the in-flight activations and cotangents, batch k's partial
-  gradient and loss, and batch k's tokens stay in the state for step k+1.
+  gradient and loss, and batch k's tokens stay in the state for step k+1;
+  a checkpoint keeps only the tokens, and `resume` recomputes the rest.
 
   Final weights: after N steps the newest version is v[N], which equals N
   steps of one-device training with `jaxpipe.optim.delay(opt, 1)`; the last
@@ -339,35 +341,48 @@ class TwoBW(_Pipelined):
     metrics = self._grad_metrics(grads, loss_done, k - 1, finite | (k == 0))
     return TwoBWState(k + 1, state.cur, params, opt_state, inflight), metrics
 
-  def restored_fields(self, state):
-    """Everything but the per-device in-flight buffers, whose layout is the mesh's."""
-    keep = super().restored_fields(state)
+  def saved_fields(self, state):
+    """Everything but the per-device in-flight buffers, which `resume` recomputes.
+
+    They are most of a checkpoint (the stash ring alone is M activations or
+    their residuals per device), and a function of what is saved: batch
+    k-1's tokens and the weights v[k-1] (`prev`) it ran on.
+    """
+    keep = super().saved_fields(state)
     device = {n: jax.tree.map(lambda _: False, getattr(keep.inflight, n))
               for n, kind in InFlight.KINDS.items() if kind == "device"}
     return keep._replace(inflight=keep.inflight._replace(**device))
 
-  def relayout(self, restored, fresh):
-    """Re-pads the weights and rebuilds batch k-1's in-flight state on this mesh.
+  def resume(self, restored, fresh, *, guarded=False):
+    """Re-pads the weights and recomputes batch k-1's in-flight state on this mesh.
 
     At the start of step k the pipeline holds what step k-1 did of batch
     k-1, all of it at v[k-1] (`prev`): its first microbatches' stashes,
-    activations in transit, partial gradient and loss. Rerunning step k-1's
-    ticks without their batch-k-2 half, on v[k-1] and the saved batch k-1,
-    makes the same state in this mesh's layout (equal up to the order of
-    reductions), so step k applies batch k-1's gradient as it would have.
+    activations and cotangents in transit, partial gradient and loss. They
+    are made again by running step k-1 itself, the same compiled program
+    the training steps run (no compilation of its own), on a state whose
+    `cur` is v[k-1] and whose batch k-1 is the saved one; its other half,
+    batch k-2's last microbatches, runs on zeros and is thrown away with the
+    update it makes. Batch k-1's work reads nothing of batch k-2's, so on
+    the same mesh everything step k reads comes out bit for bit as the
+    uninterrupted run had it; stash slots that no backward reads again keep
+    other values. On another mesh it is the same state in the new layout
+    (equal up to the order of reductions). The cost is one step's compute.
     """
-    state = super().relayout(restored, fresh)
+    state = super().resume(restored, fresh)
     k = int(state.step)
     if k == 0:
-      return state
+      return state   # nothing in flight before the first step
     f = state.inflight
-    start = state._replace(cur=state.prev, inflight=fresh.inflight._replace(
-        tokens=f.tokens, targets=f.targets))
-    shardings = self.state_shardings(fresh).inflight
-    rebuild = jax.jit(lambda st, tok, tgt: self._window(st, tok, tgt, st.step - 1,
-                                                         jnp.asarray(False))[2],
-                      out_shardings=shardings)
-    return state._replace(inflight=rebuild(start, f.tokens, f.targets))
+    # The rerun consumes its state (it is donated): fresh buffers, and v[k-1]
+    # itself, which comes back unchanged as the result's `prev`. Empty
+    # optimizer leaves (SOAP's) are the restored state's own: new ones here.
+    spare = lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding) if x.size == 0 else x
+    rerun = TwoBWState(jax.device_put(np.int32(k - 1), fresh.step.sharding), fresh.prev,
+                       state.prev, jax.tree.map(spare, fresh.opt_state), fresh.inflight)
+    go = jax.device_put(np.asarray(True), self.replicated()) if guarded else None
+    out, _ = self.step(rerun, f.tokens, f.targets, go)
+    return state._replace(prev=out.prev, inflight=out.inflight)
 
   def pending_loss(self, state):
     """Loss of the last batch run (batch step-1) at the version it ran on."""
