@@ -172,6 +172,21 @@ class DistConfig:
   local_device_ids: str = ""
   num_processes: int = 1
   process_id: int = 0
+  # Seconds a process may go without a heartbeat to the coordination service
+  # (in process 0) before it counts as lost and every other process stops,
+  # exit 69 (JAX's heartbeat_timeout_seconds; its default is 100). A killed or
+  # stopped peer is noticed within about this long.
+  heartbeat_timeout_s: int = 15
+  # Seconds the processes wait for each other at start-up (JAX's initialization_timeout).
+  init_timeout_s: int = 300
+  # Seconds a finished process waits at exit for the others to finish (JAX's
+  # shutdown_timeout_seconds).
+  shutdown_timeout_s: int = 300
+  # Seconds without a finished training step after which the run stops as if a
+  # process were lost (exit 69): a collective that hangs while every process
+  # still sends heartbeats. Counted from the first finished step (compilation
+  # excluded), paused during checkpoint saves and the first evaluation; 0 = never.
+  step_timeout_s: int = 600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -570,3 +585,7 @@ def validate(cfg: Config) -> None:
   _check(ds.num_processes >= 1, f"dist.num_processes must be >= 1, got {ds.num_processes}")
   _check(0 <= ds.process_id < ds.num_processes,
          f"dist.process_id={ds.process_id} must be in [0, dist.num_processes={ds.num_processes})")
+  for key in ("heartbeat_timeout_s", "init_timeout_s", "shutdown_timeout_s"):
+    _check(getattr(ds, key) >= 1, f"dist.{key} must be >= 1 (seconds), got {getattr(ds, key)}")
+  _check(ds.step_timeout_s >= 0,
+         f"dist.step_timeout_s must be >= 0 (seconds; 0 = never), got {ds.step_timeout_s}")

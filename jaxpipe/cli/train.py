@@ -6,10 +6,12 @@
 Running the same command again resumes from the newest checkpoint in run.dir;
 a larger run.steps continues a finished run; --resume refuses to start one
 that has no checkpoint. Exit status: 0 done; 2 bad input (one line on stderr,
-nothing created); 3 stopped on a non-finite loss (nan_policy=stop); 75
-stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to resume);
-128+signal stopped at once by a second signal, without saving (130 for
-Ctrl-C).
+nothing created); 3 stopped on a non-finite loss (nan_policy=stop); 69 a
+process of a multi-process run was lost (or a step hung for
+dist.step_timeout_s), stopped without saving (rerun every process to resume
+from the newest checkpoint); 75 stopped by SIGTERM/SIGINT after saving a
+checkpoint (rerun to resume); 128+signal stopped at once by a second signal,
+without saving (130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ def main(argv=None) -> int:
     sys.stdout.flush()
     # trainer.EXIT_SIGNAL + the signal, written out: trainer may not be imported yet.
     os._exit(128 + signum)  # pylint: disable=protected-access
+  except Exception:
+    # In a run of several processes, a collective whose peer died may fail
+    # here before the coordination service has declared the peer lost; then
+    # the loss is what to report (the process exits inside), not this error.
+    from jaxpipe import _watchdog  # pylint: disable=g-import-not-at-top
+    _watchdog.await_loss()
+    raise
   if summary["is_main"]:
     print(trainer.format_summary(summary), flush=True)
     if summary["exit_code"] == 0:
