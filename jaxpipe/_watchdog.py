@@ -1,31 +1,35 @@
 """A lost process ends a run of several processes: one line, EXIT_LOST, no stack dump.
 
-Two things notice that a process of the run is gone:
+Two watchers notice that a process of the run is gone:
 
-- JAX's coordination service (it lives in process 0): every process sends it
-  heartbeats; after `dist.heartbeat_timeout_s` without one it declares that
-  process dead and tells the others, and where process 0 itself is gone the
-  others' heartbeats fail. The client then calls its missed-heartbeat
-  callback, whose default aborts the process with a C++ stack dump;
-  `jaxpipe.launch.start` gives it `on_missed_heartbeat` instead. This covers
-  a process that died (SIGKILL, a crashed host) and one that was stopped
-  (SIGSTOP, a hung host): neither sends heartbeats.
-- `Watchdog`, a thread of our own: no training step finished for
-  `dist.step_timeout_s` (a collective that never returns while every
-  process is still alive, which no heartbeat reveals).
+- `Peers`, heartbeats of our own through the key-value store of JAX's
+  coordination service (which lives in process 0): each process publishes a
+  counter and watches the next process's; a counter that stands still for
+  `dist.heartbeat_timeout_s` means that process died or was stopped (SIGKILL,
+  SIGSTOP, a crashed or frozen host). The watcher says so in the store, where
+  every process reads it, and where the service itself stops answering for
+  that long, process 0 is the one lost.
+- `Watchdog`: no training step finished for `dist.step_timeout_s` (a
+  collective that never returns while every process is still alive).
+
+JAX's coordination client has heartbeats of its own, but on a loss it
+aborts the process with a C++ stack dump, and the callback it takes in its
+place cannot be a Python function in jaxlib 0.10.2 (the error status it is
+called with has no Python conversion: std::bad_cast, then std::terminate).
+So `jaxpipe.launch.start` sets JAX's heartbeat timeout well beyond ours
+(`jax_heartbeat_timeout`), as a backstop that ours always beat.
 
 Either way the process prints one line on stderr, naming the lost process
 where it is known and the command that resumes, and leaves at once with
 EXIT_LOST. At once (`os._exit`), because the main thread may be blocked in a
 collective that will never return, and an orderly exit would wait for the
-peer that is gone (and meet the service's abort on the way). Nothing is
-saved: the steps since the newest checkpoint are lost. A checkpoint that
-was being written stays uncommitted (orbax renames a checkpoint into place
-only after every process has written its part), and the next start ignores
-it and resumes from the newest committed one.
+peer that is gone. Nothing is saved: the steps since the newest checkpoint
+are lost. A checkpoint that was being written stays uncommitted (orbax
+renames a checkpoint into place only after every process has written its
+part), and the next start ignores it and resumes from the newest committed
+one.
 
-This module imports no JAX: the callback runs on a thread of the
-coordination client, and the watchdog must not need anything that a hung
+This module imports no JAX: its threads must not need anything that a hung
 device could hold.
 """
 
@@ -40,8 +44,8 @@ import threading
 import time
 from typing import Callable, Iterator, NoReturn, Optional
 
-__all__ = ["EXIT_LOST", "configure", "lost", "on_missed_heartbeat", "lost_process",
-           "Watchdog", "await_loss"]
+__all__ = ["EXIT_LOST", "configure", "lost", "message", "Peers", "watch_peers", "stop_watching",
+           "jax_heartbeat_timeout", "Watchdog", "await_loss"]
 
 # A process of the run was lost (or a step made no progress for
 # dist.step_timeout_s), and this one stopped without saving: rerun the same
@@ -106,51 +110,160 @@ def lost(reason: str, who: Optional[int] = None) -> NoReturn:
     sys.stdout.flush()
   except Exception:  # pylint: disable=broad-except
     pass
-  # Straight to the descriptor: the stream object may be locked by a thread
-  # that will never finish writing (one blocked in a collective holds nothing,
-  # but a progress bar might be mid-line).
-  os.write(2, ("\n" + line + "\n").encode("utf-8", "replace"))
+  # Straight to the descriptor: the stream object may be held by a thread
+  # that will never finish its write. On a terminal the progress bar may be
+  # mid-line: start a new one.
+  start = "\n" if os.isatty(2) else ""
+  os.write(2, (start + line + "\n").encode("utf-8", "replace"))
   os._exit(EXIT_LOST)  # pylint: disable=protected-access
 
 
-def lost_process(status: str, process_id: int) -> tuple[Optional[int], str]:
-  """(the lost process if the status names one, a short reason) from the service's status.
+def jax_heartbeat_timeout(heartbeat_timeout_s: int) -> int:
+  """JAX's own heartbeat timeout for ours: late enough that `Peers` always acts first."""
+  return 2 * heartbeat_timeout_s + 30
 
-  The coordination service names a task `/job:jax_worker/replica:0/task:N`;
-  a status that names none (process 0's service unreachable: its heartbeats
-  fail) means the lost one is process 0, unless this is process 0.
+
+_PREFIX = "jaxpipe/peers/"
+
+
+class Peers:
+  """Heartbeats of our own through the coordination service's key-value store.
+
+  Process i publishes a counter under `jaxpipe/peers/alive/i` every
+  `timeout_s / 5` seconds and watches the counter of process (i + 1) mod n:
+  each process reads one peer, so the service answers 3n small requests a
+  round, whatever n. A watched counter that stands still for `timeout_s`
+  (its process is dead or stopped) is a loss, which the watcher writes under
+  `jaxpipe/peers/lost` before it exits; every process reads that key each
+  round, so all of them leave within a round of each other. A process that
+  has finished writes `done` in place of its counter, which is never stale.
+  Where the service does not answer for `timeout_s`, its process (0) is lost.
+
+  Two daemon threads: one talks to the service (a request to a stopped
+  service may block), the other checks the times and acts (`on_lost(who,
+  reason)`, `lost` by default).
   """
-  tasks = [int(t) for t in re.findall(r"/task:(\d+)", status)]
-  others = [t for t in tasks if t != process_id]
-  if others:
-    return others[0], "its heartbeats stopped"
-  if process_id != 0 and re.search(r"heartbeat|unavailable|deadline|connect|socket|closed",
-                                    status, re.I):
-    return 0, "the coordination service in process 0 stopped answering"
-  first = status.strip().splitlines()[0][:200] if status.strip() else "no detail"
-  return None, f"the coordination service reported: {first}"
+
+  def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
+               on_lost: Optional[Callable[[Optional[int], str], None]] = None,
+               clock: Callable[[], float] = time.monotonic):
+    self.client, self.pid, self.num = client, process_id, num_processes
+    self.watched = (process_id + 1) % num_processes
+    self.timeout_s, self.clock = float(timeout_s), clock
+    self.interval = self.timeout_s / 5
+    self.on_lost = on_lost or (lambda who, reason: lost(reason, who))
+    now = clock()
+    self.answered = now    # the service's last answer
+    self.moved = now       # when the watched counter last changed
+    self.seen: Optional[str] = None
+    self._done = threading.Event()
+    self._threads: list[threading.Thread] = []
+
+  def _exchange(self, count: int) -> Optional[tuple[Optional[int], str]]:
+    """One round with the service: publish, read the loss key and the watched counter."""
+    try:
+      self.client.key_value_set(f"{_PREFIX}alive/{self.pid}", str(count), allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except
+      return None  # the service did not answer: the checker counts the silence
+    self.answered = self.clock()
+    try:
+      note = self.client.key_value_try_get(f"{_PREFIX}lost")
+    except Exception:  # pylint: disable=broad-except
+      note = ""  # no loss declared (the key does not exist)
+    if note:
+      who, _, reason = note.partition(":")
+      return (int(who) if who.isdigit() else None), reason
+    try:
+      value = self.client.key_value_try_get(f"{_PREFIX}alive/{self.watched}")
+    except Exception:  # pylint: disable=broad-except
+      value = None  # not published yet
+    if value is not None and value != self.seen:
+      self.seen, self.moved = value, self.clock()
+    return None
+
+  def _talk(self) -> None:
+    count = 0
+    while not self._done.wait(self.interval):
+      count += 1
+      declared = self._exchange(count)
+      if declared is not None and not self._done.is_set():
+        self.on_lost(*declared)
+        return
+
+  def check(self) -> Optional[tuple[Optional[int], str]]:
+    """(the lost process, the reason) if the service or the watched process went quiet."""
+    now = self.clock()
+    if now - self.answered > self.timeout_s and self.pid != 0:
+      return 0, (f"the coordination service in process 0 did not answer for "
+                 f"{now - self.answered:.0f} s")
+    if self.seen != "done" and now - self.moved > self.timeout_s:
+      return self.watched, f"no heartbeat for {now - self.moved:.0f} s"
+    return None
+
+  def _check(self) -> None:
+    while not self._done.wait(self.interval):
+      found = self.check()
+      if found is None or self._done.is_set():
+        continue
+      who, reason = found
+      if who != 0 or self.pid == 0:
+        # Tell the others, without waiting long on a service that may be slow.
+        tell = threading.Thread(target=self._declare, args=(who, reason), daemon=True)
+        tell.start()
+        tell.join(min(2.0, self.timeout_s))
+      self.on_lost(who, reason)
+      return
+
+  def _declare(self, who: Optional[int], reason: str) -> None:
+    try:
+      self.client.key_value_set(f"{_PREFIX}lost", f"{'' if who is None else who}:{reason}",
+                                allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def start(self) -> "Peers":
+    """Starts the two threads."""
+    for target, name in ((self._talk, "jaxpipe-peers"), (self._check, "jaxpipe-peers-check")):
+      thread = threading.Thread(target=target, name=name, daemon=True)
+      thread.start()
+      self._threads.append(thread)
+    return self
+
+  def stop(self, done: bool) -> None:
+    """Stops watching; `done`: this process finished, so its watcher must not count it lost."""
+    self._done.set()
+    if done:
+      try:
+        self.client.key_value_set(f"{_PREFIX}alive/{self.pid}", "done", allow_overwrite=True)
+      except Exception:  # pylint: disable=broad-except
+        pass
 
 
-def on_missed_heartbeat(*args) -> None:
-  """The coordination client's missed-heartbeat callback: a peer (or the service) is gone.
+_peers: list[Peers] = []
 
-  Called on a client thread with the error's status (its type and number of
-  arguments vary between jaxlib versions, so all are read as text).
-  """
-  status = " ".join(str(a) for a in args)
-  who, reason = lost_process(status, _context["process_id"])
-  lost(reason, who)
+
+def watch_peers(client, process_id: int, num_processes: int, timeout_s: float) -> Peers:
+  """Starts this process's `Peers` (one per process; `stop_watching` ends it)."""
+  peers = Peers(client, process_id, num_processes, timeout_s).start()
+  _peers.append(peers)
+  return peers
+
+
+def stop_watching(done: bool = True) -> None:
+  """Stops `Peers`: at the end of a run every process reached (`done`), or on the way out."""
+  while _peers:
+    _peers.pop().stop(done)
 
 
 def await_loss() -> bool:
   """In a run of several processes, waits for a loss to be declared; False if none comes.
 
-  For an error in the main thread: a collective whose peer died may fail
-  there (gloo's connection closed) before the service has declared the peer
-  dead, and the loss, not that error, is what to report. Waits twice the
-  heartbeat timeout (and 5 s), time enough for the service to notice; a
-  single process, or a loss that never comes (a bug), returns False at once
-  or after that wait, and the error goes on.
+  For an error in the main thread: a collective whose peer died fails there
+  at once (gloo's connection closed) before `Peers` has noticed the peer
+  gone, and the loss, not that error, is what to report. Waits twice the
+  heartbeat timeout (and 5 s), time enough for `Peers` to notice; a single
+  process, or a loss that never comes (a bug), returns False at once or
+  after that wait, and the error goes on.
   """
   if _context["num_processes"] <= 1:
     return False

@@ -172,10 +172,11 @@ class DistConfig:
   local_device_ids: str = ""
   num_processes: int = 1
   process_id: int = 0
-  # Seconds a process may go without a heartbeat to the coordination service
-  # (in process 0) before it counts as lost and every other process stops,
-  # exit 69 (JAX's heartbeat_timeout_seconds; its default is 100). A killed or
-  # stopped peer is noticed within about this long.
+  # Seconds a process may go without a heartbeat before it counts as lost and
+  # every other process stops, exit 69 (jaxpipe's heartbeats, through the
+  # coordination service in process 0; JAX's own, which abort with a stack
+  # dump, get 2x + 30 s as a backstop). A killed or stopped peer ends the
+  # others about this long after.
   heartbeat_timeout_s: int = 15
   # Seconds the processes wait for each other at start-up (JAX's initialization_timeout).
   init_timeout_s: int = 300

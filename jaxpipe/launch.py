@@ -4,19 +4,19 @@
 XLA_FLAGS: the emulated CPU devices, or on NVIDIA GPUs `jaxpipe.accel`'s
 flags); `start` then turns on the compilation cache (`run.compile_cache`),
 joins a multi-process run when the config or the environment asks for one
-(with this process's GPUs, `local_device_ids`, the `dist.*` timeouts, and
-`jaxpipe._watchdog` in place of the coordination client's abort when a peer
-is lost), and checks that the mesh's devices exist.
+(with this process's GPUs, `local_device_ids`, and the `dist.*` timeouts),
+starts watching the other processes (`jaxpipe._watchdog.Peers`: a lost one
+ends this one with one line and EXIT_LOST), and checks that the mesh's
+devices exist.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
 import sys
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Mapping, Optional
 
 from jaxpipe import _watchdog
 from jaxpipe import accel
@@ -25,7 +25,7 @@ from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
 
 __all__ = ["prepare_devices", "start", "check_devices", "local_devices_needed",
-           "distributed_settings", "local_device_ids"]
+           "distributed_settings", "local_device_ids", "watch_peers"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -100,58 +100,35 @@ def start(cfg: Config) -> None:
       print(f"process {pid} of {num}: local_device_ids {','.join(map(str, ids))}",
             file=sys.stderr, flush=True)
     d = cfg.dist
-    _watchdog.configure(cfg.run.dir, pid, num, d.heartbeat_timeout_s)
+    # JAX's own heartbeats abort the process with a stack dump on a loss:
+    # they are the backstop, set late enough that ours (Peers) act first.
     timeouts = dict(initialization_timeout=d.init_timeout_s,
-                    heartbeat_timeout_seconds=d.heartbeat_timeout_s,
+                    heartbeat_timeout_seconds=_watchdog.jax_heartbeat_timeout(
+                        d.heartbeat_timeout_s),
                     shutdown_timeout_seconds=d.shutdown_timeout_s)
-    with _on_missed_heartbeat(_watchdog.on_missed_heartbeat):
-      if coordinator:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                                   process_id=pid, local_device_ids=ids, **timeouts)
-      else:
-        # SLURM: everything else from the job's environment.
-        jax.distributed.initialize(local_device_ids=ids, **timeouts)
+    if coordinator:
+      jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
+                                 process_id=pid, local_device_ids=ids, **timeouts)
+    else:
+      # SLURM: everything else from the job's environment.
+      jax.distributed.initialize(local_device_ids=ids, **timeouts)
+    watch_peers(cfg)
   check_devices(cfg, jax.devices())
 
 
-@contextlib.contextmanager
-def _on_missed_heartbeat(callback: Callable[..., None]) -> Iterator[None]:
-  """Inside the block, `jax.distributed.initialize` makes a client that calls `callback` on a loss.
+def watch_peers(cfg: Config) -> None:
+  """Ends this process with one line and EXIT_LOST when another one of the run is lost.
 
-  The coordination client calls its missed-heartbeat callback when the
-  service declares a peer dead or cannot be reached itself; its default
-  aborts the process with a C++ stack dump, and `jax.distributed.initialize`
-  offers no way to pass another. The client comes from jaxlib's
-  `get_distributed_runtime_client`, which takes one: for this block the
-  module `jax._src.distributed` sees a stand-in for jaxlib that adds it.
-  Where this jax is built otherwise (the names moved, or the keyword is
-  refused), the client keeps its default, and the step watchdog still ends
-  a run that stops making progress.
+  `jaxpipe._watchdog.Peers` over the coordination service's key-value store
+  (the client is `jax.distributed`'s own; without one, only the step
+  watchdog guards the run).
   """
   from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-  real = getattr(jax_distributed, "_jax", None)
-  make = getattr(real, "get_distributed_runtime_client", None)
-  if make is None:
-    yield
-    return
-
-  def client(*args, **kwargs):
-    try:
-      return make(*args, missed_heartbeat_callback=callback, **kwargs)
-    except TypeError as e:
-      if "missed_heartbeat_callback" not in str(e) and "incompatible" not in str(e):
-        raise
-      return make(*args, **kwargs)
-
-  class _WithCallback:
-    def __getattr__(self, name):
-      return client if name == "get_distributed_runtime_client" else getattr(real, name)
-
-  jax_distributed._jax = _WithCallback()  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    jax_distributed._jax = real  # pylint: disable=protected-access
+  pid, num = jax_distributed.global_state.process_id, jax_distributed.global_state.num_processes
+  _watchdog.configure(cfg.run.dir, pid, num, cfg.dist.heartbeat_timeout_s)
+  client = jax_distributed.global_state.client
+  if client is not None:
+    _watchdog.watch_peers(client, pid, num, cfg.dist.heartbeat_timeout_s)
 
 
 def check_devices(cfg: Config, devices) -> None:

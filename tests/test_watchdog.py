@@ -63,15 +63,81 @@ def test_the_watchdog_thread_calls_on_timeout_once():
       assert not fired.wait(0.1)
 
 
-def test_the_lost_process_is_read_from_the_services_status():
-  status = ("UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n"
-            "/job:jax_worker/replica:0/task:1\nThe tasks have crashed.")
-  assert _watchdog.lost_process(status, 0) == (1, "its heartbeats stopped")
-  # Process 0 holds the service: a failed heartbeat from elsewhere means process 0 is gone.
-  who, _ = _watchdog.lost_process("UNAVAILABLE: failed to connect to all addresses", 1)
-  assert who == 0
-  who, reason = _watchdog.lost_process("INTERNAL: something else", 0)
-  assert who is None and "something else" in reason
+class _Store:
+  """The coordination service's key-value store, as the client shows it; `down` stops it."""
+
+  def __init__(self):
+    self.kv, self.down = {}, False
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE: failed to connect")
+    assert allow_overwrite or key not in self.kv
+    self.kv[key] = value
+
+  def key_value_try_get(self, key):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE: failed to connect")
+    if key not in self.kv:
+      raise RuntimeError(f"NOT_FOUND: {key}")
+    return self.kv[key]
+
+
+def test_peers_watch_the_next_process_and_the_service():
+  clock, store = _Clock(), _Store()
+  peers = [_watchdog.Peers(store, i, 3, 10, on_lost=lambda *a: None, clock=clock)
+           for i in range(3)]
+  assert [p.watched for p in peers] == [1, 2, 0]
+  for count in range(1, 4):   # rounds every 2 s: all alive
+    clock.now += 2
+    for p in peers:
+      assert p._exchange(count) is None and p.check() is None
+  # Process 2 stops: process 1, which watches it, notices after the timeout.
+  for count in range(4, 10):
+    clock.now += 2
+    for p in peers[:2]:
+      p._exchange(count)
+  assert peers[0].check() is None
+  assert peers[1].check() == (2, "no heartbeat for 12 s")
+  # The watcher tells everyone; the others read it in their next round.
+  peers[1]._declare(2, "no heartbeat for 12 s")
+  assert peers[0]._exchange(10) == (2, "no heartbeat for 12 s")
+  # A finished process is never taken for a lost one.
+  clock, store = _Clock(), _Store()
+  a, b = (_watchdog.Peers(store, i, 2, 10, on_lost=lambda *x: None, clock=clock) for i in range(2))
+  a._exchange(1)
+  b._exchange(1)
+  b.stop(done=True)
+  clock.now += 60
+  assert a._exchange(2) is None and a.check() is None
+  # The service (process 0) stops answering: process 1 counts process 0 lost.
+  clock, store = _Clock(), _Store()
+  b = _watchdog.Peers(store, 1, 2, 10, on_lost=lambda *x: None, clock=clock)
+  store.down = True
+  clock.now += 11
+  assert b._exchange(1) is None
+  who, reason = b.check()
+  assert who == 0 and "coordination service in process 0 did not answer" in reason
+
+
+def test_peers_threads_act_on_a_loss():
+  store, seen, fired = _Store(), [], threading.Event()
+
+  def on_lost(who, reason):
+    seen.append((who, reason))
+    fired.set()
+
+  peers = _watchdog.Peers(store, 0, 2, 0.5, on_lost=on_lost).start()
+  try:
+    assert fired.wait(10)   # process 1 never publishes
+  finally:
+    peers.stop(done=False)
+  assert seen[0][0] == 1 and store.kv["jaxpipe/peers/lost"].startswith("1:")
+
+
+def test_jax_heartbeats_are_only_the_backstop():
+  for ours in (1, 3, 15, 100):
+    assert _watchdog.jax_heartbeat_timeout(ours) >= 2 * ours + 10
 
 
 def test_the_line_names_the_process_and_the_command(tmp_path):

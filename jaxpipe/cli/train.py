@@ -47,7 +47,7 @@ def main(argv=None) -> int:
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=3e-4")
   args = parser.parse_args(argv)
 
-  from jaxpipe import launch  # pylint: disable=g-import-not-at-top
+  from jaxpipe import _watchdog, launch  # pylint: disable=g-import-not-at-top
   from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
   try:
     cfg = config_lib.load(args.config, args.overrides)
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
     launch.start(cfg)
     summary = trainer.train(cfg, require_resume=args.resume)
+    # Every process got here: none may now take another's exit for a loss.
+    _watchdog.stop_watching(done=True)
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -70,10 +72,9 @@ def main(argv=None) -> int:
     # trainer.EXIT_SIGNAL + the signal, written out: trainer may not be imported yet.
     os._exit(128 + signum)  # pylint: disable=protected-access
   except Exception:
-    # In a run of several processes, a collective whose peer died may fail
-    # here before the coordination service has declared the peer lost; then
-    # the loss is what to report (the process exits inside), not this error.
-    from jaxpipe import _watchdog  # pylint: disable=g-import-not-at-top
+    # In a run of several processes, a collective whose peer died fails here
+    # at once, before the heartbeats have told the peer lost; then the loss
+    # is what to report (the process exits inside), not this error.
     _watchdog.await_loss()
     raise
   if summary["is_main"]:
