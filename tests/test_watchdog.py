@@ -93,7 +93,7 @@ def test_peers_watch_the_next_process_and_the_service():
     for p in peers:
       assert p._exchange(count) is None and p.check() is None
   # Process 2 stops: process 1, which watches it, notices after the timeout.
-  for count in range(4, 10):
+  for count in range(4, 11):
     clock.now += 2
     for p in peers[:2]:
       p._exchange(count)
@@ -101,7 +101,7 @@ def test_peers_watch_the_next_process_and_the_service():
   assert peers[1].check() == (2, "no heartbeat for 12 s")
   # The watcher tells everyone; the others read it in their next round.
   peers[1]._declare(2, "no heartbeat for 12 s")
-  assert peers[0]._exchange(10) == (2, "no heartbeat for 12 s")
+  assert peers[0]._exchange(11) == (2, "no heartbeat for 12 s")
   # A finished process is never taken for a lost one.
   clock, store = _Clock(), _Store()
   a, b = (_watchdog.Peers(store, i, 2, 10, on_lost=lambda *x: None, clock=clock) for i in range(2))
