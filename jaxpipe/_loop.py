@@ -10,6 +10,9 @@ of those does lives here:
 - `NonFinitePolicy`: `run.nan_policy` (stop on, or skip, a non-finite update).
 - `Evaluation`: the validation batches and when to run them.
 - `CheckpointPolicy`: when to save, and never the same step twice.
+- (`jaxpipe._watchdog.Watchdog`, which `Report`, `Evaluation` and
+  `CheckpointPolicy` keep informed: a run of several processes stops when
+  no step finishes for `dist.step_timeout_s`.)
 - `Feed`: the next batch placed on the devices while the current step runs.
 - `host_schedule`: the learning rate of every step, read on the host.
 - `Report`: reads each step's metrics (one step behind the dispatch), times
@@ -19,6 +22,7 @@ of those does lives here:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +34,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from jaxpipe import _watchdog
 from jaxpipe import config as config_lib
 
 __all__ = ["Metrics", "Profile", "Signals", "NonFinitePolicy", "Evaluation",
@@ -249,16 +254,26 @@ def where_nonfinite(met: dict[str, Any], num_stages: int) -> str:
 
 
 class Evaluation:
-  """The validation batches (global arrays), their mean loss, and when it is due."""
+  """The validation batches (global arrays), their mean loss, and when it is due.
 
-  def __init__(self, schedule: Any, batches: list[tuple[Any, Any]], every: int, steps: int):
+  The first evaluation of a process compiles the evaluation step: the
+  `watchdog` (the run's step watchdog, if any) is paused during it.
+  """
+
+  def __init__(self, schedule: Any, batches: list[tuple[Any, Any]], every: int, steps: int,
+               watchdog: Optional[_watchdog.Watchdog] = None):
     self.schedule, self.batches, self.every, self.steps = schedule, batches, every, steps
+    self.watchdog = watchdog or _watchdog.Watchdog(0)
+    self.compiled = False
 
   def __call__(self, state) -> Optional[float]:
     """Mean validation loss at the state's newest weights; None without batches."""
     if not self.batches:
       return None
-    return float(np.mean([float(self.schedule.eval_loss(state, *b)) for b in self.batches]))
+    with self.watchdog.paused() if not self.compiled else contextlib.nullcontext():
+      out = float(np.mean([float(self.schedule.eval_loss(state, *b)) for b in self.batches]))
+    self.compiled = True
+    return out
 
   def due(self, done: int) -> bool:
     """Whether to evaluate after `done` updates (the end of the run has its own)."""
@@ -270,13 +285,17 @@ class CheckpointPolicy:
 
   `save(done, ...)` writes a checkpoint unless one of step `done` is already
   on disk from this run (`saved_at`), so a stop right after a periodic save,
-  or the end of a run resumed at its last step, writes nothing twice.
+  or the end of a run resumed at its last step, writes nothing twice. A save
+  takes as long as the disk does: the `watchdog` (the run's step watchdog,
+  if any) is paused while it runs.
   """
 
   def __init__(self, ckpt: Any, every: int, steps: int, saved_at: Optional[int],
-               payload: Callable[[int], tuple], kill: Optional[tuple[str, int]] = None):
+               payload: Callable[[int], tuple], kill: Optional[tuple[str, int]] = None,
+               watchdog: Optional[_watchdog.Watchdog] = None):
     self.ckpt, self.every, self.steps = ckpt, every, steps
     self.saved_at, self.payload, self.kill = saved_at, payload, kill
+    self.watchdog = watchdog or _watchdog.Watchdog(0)
 
   def due(self, done: int) -> bool:
     """Whether a periodic checkpoint falls after `done` updates."""
@@ -288,13 +307,14 @@ class CheckpointPolicy:
     `wait` blocks until it is on disk; `crash_point` lets `run.debug_kill=save:N`
     kill the process right after (the periodic and final saves).
     """
-    if self.saved_at != done:
-      self.ckpt.save(done, *self.payload(done))
-      self.saved_at = done
-      if crash_point:
-        kill_at(self.kill, "save", done)
-    if wait:
-      self.ckpt.wait()
+    with self.watchdog.paused():
+      if self.saved_at != done:
+        self.ckpt.save(done, *self.payload(done))
+        self.saved_at = done
+        if crash_point:
+          kill_at(self.kill, "save", done)
+      if wait:
+        self.ckpt.wait()
 
 
 class Feed:
@@ -373,10 +393,13 @@ class Report:
 
   def __init__(self, cfg: Any, lr_schedule: Callable[[int], float], start: int, lag: int,
                is_main: bool, policy: NonFinitePolicy, peak: Optional[float] = None,
-               kill: Optional[tuple[str, int]] = None, epoch_sequences: int = 0):
-    """`epoch_sequences`: the sequences in one pass over the training split (0: no epochs)."""
+               kill: Optional[tuple[str, int]] = None, epoch_sequences: int = 0,
+               watchdog: Optional[_watchdog.Watchdog] = None):
+    """`epoch_sequences`: the sequences in one pass over the training split (0: no epochs);
+    `watchdog`: the run's step watchdog, told of each step that finished."""
     self.cfg, self.lr_schedule, self.start, self.policy, self.kill = (
         cfg, lr_schedule, start, policy, kill)
+    self.watchdog = watchdog or _watchdog.Watchdog(0)
     self.log = Metrics(cfg.run.dir, start, lag, is_main)
     self.profile = Profile(cfg.run.profile, cfg.run.dir, is_main)
     self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -438,6 +461,7 @@ class Report:
   def settle(self, k: int, met_dev: Any, dispatched: float) -> bool:
     """Reads step k's metrics (waiting for it) and records them; False: stop (non-finite)."""
     met = jax.device_get(met_dev)
+    self.watchdog.beat()
     now = time.time()
     # A step's time is the interval between two steps' completions, so time
     # the host spends between steps (and a stalled device) is counted.

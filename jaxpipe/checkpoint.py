@@ -56,6 +56,9 @@ RESUMABLE_KEYS = frozenset({
     # How and where the same program runs: XLA's flags, its compilation cache,
     # which devices a process takes and how the mesh is laid over the nodes.
     "run.deterministic", "run.compile_cache", "dist.local_device_ids", "mesh.layout",
+    # When a run of several processes gives up on a lost one.
+    "dist.heartbeat_timeout_s", "dist.init_timeout_s", "dist.shutdown_timeout_s",
+    "dist.step_timeout_s",
 })
 
 # Keys that change the mesh: a resumed run may change them where its schedule

@@ -174,6 +174,22 @@ class DistConfig:
   local_device_ids: str = ""
   num_processes: int = 1
   process_id: int = 0
+  # Seconds a process may go without a heartbeat before it counts as lost and
+  # every other process stops, exit 69 (jaxpipe's heartbeats, through the
+  # coordination service in process 0; JAX's own, which abort with a stack
+  # dump, get 2x + 30 s as a backstop). A killed or stopped peer ends the
+  # others about this long after.
+  heartbeat_timeout_s: int = 15
+  # Seconds the processes wait for each other at start-up (JAX's initialization_timeout).
+  init_timeout_s: int = 300
+  # Seconds a finished process waits at exit for the others to finish (JAX's
+  # shutdown_timeout_seconds).
+  shutdown_timeout_s: int = 300
+  # Seconds without a finished training step after which the run stops as if a
+  # process were lost (exit 69): a collective that hangs while every process
+  # still sends heartbeats. Counted from the first finished step (compilation
+  # excluded), paused during checkpoint saves and the first evaluation; 0 = never.
+  step_timeout_s: int = 600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,3 +588,7 @@ def validate(cfg: Config) -> None:
   _check(ds.num_processes >= 1, f"dist.num_processes must be >= 1, got {ds.num_processes}")
   _check(0 <= ds.process_id < ds.num_processes,
          f"dist.process_id={ds.process_id} must be in [0, dist.num_processes={ds.num_processes})")
+  for key in ("heartbeat_timeout_s", "init_timeout_s", "shutdown_timeout_s"):
+    _check(getattr(ds, key) >= 1, f"dist.{key} must be >= 1 (seconds), got {getattr(ds, key)}")
+  _check(ds.step_timeout_s >= 0,
+         f"dist.step_timeout_s must be >= 0 (seconds; 0 = never), got {ds.step_timeout_s}")

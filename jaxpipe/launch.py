@@ -4,7 +4,9 @@
 XLA_FLAGS: the emulated CPU devices, or on NVIDIA GPUs `jaxpipe.accel`'s
 flags); `start` then turns on the compilation cache (`run.compile_cache`),
 joins a multi-process run when the config or the environment asks for one
-(with this process's GPUs, `local_device_ids`), and checks that the mesh's
+(with this process's GPUs, `local_device_ids`, and the `dist.*` timeouts),
+starts watching the other processes (`jaxpipe._watchdog.Peers`: a lost one
+ends this one with one line and EXIT_LOST), and checks that the mesh's
 devices exist.
 """
 
@@ -16,13 +18,14 @@ import re
 import sys
 from typing import Mapping, Optional
 
+from jaxpipe import _watchdog
 from jaxpipe import accel
 from jaxpipe import config as config_lib
 from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
 
 __all__ = ["prepare_devices", "start", "check_devices", "local_devices_needed",
-           "distributed_settings", "local_device_ids"]
+           "distributed_settings", "local_device_ids", "watch_peers"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -96,13 +99,36 @@ def start(cfg: Config) -> None:
     if ids is not None:
       print(f"process {pid} of {num}: local_device_ids {','.join(map(str, ids))}",
             file=sys.stderr, flush=True)
+    d = cfg.dist
+    # JAX's own heartbeats abort the process with a stack dump on a loss:
+    # they are the backstop, set late enough that ours (Peers) act first.
+    timeouts = dict(initialization_timeout=d.init_timeout_s,
+                    heartbeat_timeout_seconds=_watchdog.jax_heartbeat_timeout(
+                        d.heartbeat_timeout_s),
+                    shutdown_timeout_seconds=d.shutdown_timeout_s)
     if coordinator:
       jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                                 process_id=pid, local_device_ids=ids)
+                                 process_id=pid, local_device_ids=ids, **timeouts)
     else:
       # SLURM: everything else from the job's environment.
-      jax.distributed.initialize(local_device_ids=ids)
+      jax.distributed.initialize(local_device_ids=ids, **timeouts)
+    watch_peers(cfg)
   check_devices(cfg, jax.devices())
+
+
+def watch_peers(cfg: Config) -> None:
+  """Ends this process with one line and EXIT_LOST when another one of the run is lost.
+
+  `jaxpipe._watchdog.Peers` over the coordination service's key-value store
+  (the client is `jax.distributed`'s own; without one, only the step
+  watchdog guards the run).
+  """
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  pid, num = jax_distributed.global_state.process_id, jax_distributed.global_state.num_processes
+  _watchdog.configure(cfg.run.dir, pid, num, cfg.dist.heartbeat_timeout_s)
+  client = jax_distributed.global_state.client
+  if client is not None:
+    _watchdog.watch_peers(client, pid, num, cfg.dist.heartbeat_timeout_s)
 
 
 def check_devices(cfg: Config, devices) -> None:

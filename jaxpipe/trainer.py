@@ -31,6 +31,7 @@ import numpy as np
 import yaml
 
 from jaxpipe import _loop
+from jaxpipe import _watchdog
 from jaxpipe import accel
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
@@ -45,7 +46,7 @@ from jaxpipe.pipeline import (Schedule, StageFns, axes_across_nodes, expert_exch
                               make_schedule)
 
 __all__ = ["Run", "build", "train", "schedule_change", "EXIT_NONFINITE", "EXIT_INTERRUPTED",
-           "EXIT_SIGNAL"]
+           "EXIT_SIGNAL", "EXIT_LOST"]
 
 # Exit statuses (2, bad input, is every command's: jaxpipe.errors). A requeue
 # loop must tell a stop that saved from one that did not, so they differ:
@@ -60,6 +61,11 @@ EXIT_INTERRUPTED = 75
 # checkpoint before). As a shell reports a death by that signal, since that
 # is what it was.
 EXIT_SIGNAL = 128
+# 69 (sysexits' EX_UNAVAILABLE): a process of a multi-process run was lost
+# (killed, stopped, or a step made no progress for dist.step_timeout_s) and
+# this one stopped at once without saving; rerun the same command on every
+# process to resume from the newest checkpoint. Why 69: jaxpipe._watchdog.
+EXIT_LOST = _watchdog.EXIT_LOST
 
 
 @dataclasses.dataclass
@@ -476,7 +482,7 @@ def _begin(run: Run, ckpt: Checkpointer, require_resume: bool, init_params: Any)
   return _Begun(start, latest, state, it, to_global, shard)
 
 
-def _evaluation(run: Run, begun: _Begun) -> _loop.Evaluation:
+def _evaluation(run: Run, begun: _Begun, watch: _watchdog.Watchdog) -> _loop.Evaluation:
   """The run's validation batches, placed on the mesh once."""
   cfg = run.cfg
   batches = [(begun.to_global(b["tokens"]), begun.to_global(b["targets"]))
@@ -484,7 +490,7 @@ def _evaluation(run: Run, begun: _Begun) -> _loop.Evaluation:
                  run.data, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
                  num_microbatches=cfg.pipeline.microbatches, num_batches=cfg.eval.batches,
                  shard_index=begun.shard[0], shard_count=begun.shard[1])]
-  return _loop.Evaluation(run.schedule, batches, cfg.eval.every, cfg.run.steps)
+  return _loop.Evaluation(run.schedule, batches, cfg.eval.every, cfg.run.steps, watch)
 
 
 def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
@@ -494,11 +500,15 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   steps, kill = cfg.run.steps, config_lib.kill_point(cfg.run.debug_kill)
   begun = _begin(run, ckpt, require_resume, init_params)
   start, state, it = begun.start, begun.state, begun.it
-  evaluate = _evaluation(run, begun)
+  # With several processes, a step that never finishes (a hung collective)
+  # ends the run, as a lost process does (jaxpipe._watchdog).
+  watch = _watchdog.Watchdog(cfg.dist.step_timeout_s if jax.process_count() > 1 else 0)
+  evaluate = _evaluation(run, begun, watch)
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
   report = _loop.Report(cfg, _loop.host_schedule(run.lr_schedule, steps), start,
                         schedule.loss_lag, jax.process_index() == 0, policy, peak_tflops(cfg),
-                        kill, epoch_sequences=run.data.num_sequences("train", cfg.data.seq_len))
+                        kill, epoch_sequences=run.data.num_sequences("train", cfg.data.seq_len),
+                        watchdog=watch)
 
   def poison(step: int, batch: dict) -> dict:
     if step == cfg.run.debug_nan_step:
@@ -508,7 +518,8 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
   feed = _loop.Feed(it, begun.to_global, poison, start)
   saves = _loop.CheckpointPolicy(
       ckpt, cfg.checkpoint.every, steps, begun.latest, kill=kill,
-      payload=lambda k: (schedule.checkpointed(state), feed.data_state(), _meta(cfg, k)))
+      payload=lambda k: (schedule.checkpointed(state), feed.data_state(), _meta(cfg, k)),
+      watchdog=watch)
   if start == 0 and evaluate.batches:
     report.summary["first_val_loss"] = evaluate(state)
     report.validation(0, report.summary["first_val_loss"])
@@ -523,7 +534,7 @@ def _train(run: Run, ckpt: Checkpointer, require_resume: bool,
     report.summary["exit_code"] = EXIT_NONFINITE
 
   pending = None  # (step, its metrics on the device, dispatch time)
-  with _loop.Signals() as signals:
+  with _loop.Signals() as signals, watch:
     try:
       for step in range(start, steps):
         tokens, targets = feed.take()  # placed on the devices while step k-1 ran

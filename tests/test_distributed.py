@@ -3,15 +3,19 @@
 Each process is a node (CPU devices carry no slice index), so `mesh.layout`
 decides which mesh axis spans the two; `local_device_ids` come from the
 launcher's variables and reach `jax.distributed.initialize` (on CPU devices
-they select nothing).
+they select nothing). A process killed or stopped mid-run ends the other
+within seconds, with one line and EXIT_LOST, and the rerun continues exactly.
 """
 
 import os
+import signal
 import socket
 import subprocess
+import time
 
 import pytest
 
+from jaxpipe import trainer
 from tests import _runs
 
 ARGS = ("pipeline.schedule=2bw", "pipeline.stages=2", "mesh.data=2", "run.steps=4",
@@ -24,11 +28,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _two_device_env(cache, **extra):
+def _two_device_env(cache, devices=2, **extra):
   env = _runs.env(cache)
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=2"])
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
   env.update(extra)
   return env
 
@@ -105,3 +109,134 @@ def test_data_across_nodes_with_local_ranks(tmp_path, cache):
   a, b = _runs.train_losses(single), _runs.train_losses(multi)
   assert sorted(a) == sorted(b) == [0, 1]
   assert [b[k] for k in range(2)] == pytest.approx([a[k] for k in range(2)], rel=1e-6, abs=0)
+
+
+# A pipeline over the two processes, a stage (one device) each: every tick's
+# transfers cross them. Short timeouts, so a loss is noticed in seconds; enough
+# steps that the run is still going when the test stops a process after the
+# checkpoint of step 3.
+LOST = ("pipeline.schedule=2bw", "pipeline.stages=2", "mesh.data=1", "run.steps=24",
+        "checkpoint.every=3", "optimizer.name=muon", "optimizer.error_feedback=1",
+        "dist.heartbeat_timeout_s=3")
+
+
+def _start_two(run_dir, tmp_path, *args, env, tag):
+  """Starts the two processes of a loopback job, their output in files; returns the Popens."""
+  port = _free_port()
+  procs = []
+  for i in range(2):
+    with open(tmp_path / f"{tag}{i}.out", "w") as out, open(tmp_path / f"{tag}{i}.err", "w") as err:
+      procs.append(subprocess.Popen(
+          _runs.command(run_dir, *args, f"dist.coordinator=127.0.0.1:{port}",
+                        "dist.num_processes=2", f"dist.process_id={i}"),
+          env=env, stdout=out, stderr=err, text=True, cwd=_runs.ROOT))
+  return procs
+
+
+def _stopped(proc) -> bool:
+  """Whether the process is stopped (state T in /proc) or gone."""
+  try:
+    with open(f"/proc/{proc.pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z")
+  except OSError:
+    return True
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, cache):
+  """An uninterrupted two-process run of LOST: the losses a resumed run must equal."""
+  tmp = tmp_path_factory.mktemp("whole")
+  run_dir = str(tmp / "run")
+  procs = _start_two(run_dir, tmp, *LOST, env=_two_device_env(cache, devices=1), tag="whole")
+  try:
+    for proc in procs:
+      proc.wait(timeout=300)
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  assert [p.returncode for p in procs] == [0, 0], (tmp / "whole0.err").read_text()
+  return _runs.train_losses(run_dir)
+
+
+def _lose_one(tmp_path, cache, victim, sig, *more):
+  """Runs LOST on two processes, sends `sig` to `victim` after checkpoint 3; returns
+  (the survivor's exit status, seconds from the loss to its exit, its stderr, run_dir)."""
+  run_dir = str(tmp_path / "run")
+  procs = _start_two(run_dir, tmp_path, *LOST, *more, env=_two_device_env(cache, devices=1),
+                     tag="lost")
+  survivor = procs[1 - victim]
+  try:
+    assert _runs.wait_for(lambda: 3 in _runs.checkpoints(run_dir) or survivor.poll() is not None,
+                          timeout=300, interval=0.01)
+    assert survivor.poll() is None, (tmp_path / f"lost{1 - victim}.err").read_text()
+    procs[victim].send_signal(sig)
+    assert _runs.wait_for(lambda: _stopped(procs[victim]), timeout=10, interval=0.01)
+    lost_at = time.time()
+    survivor.wait(timeout=90)
+    took = time.time() - lost_at
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  err = (tmp_path / f"lost{1 - victim}.err").read_text()
+  return survivor.returncode, took, err, run_dir
+
+
+def _says_lost_in_one_line(err, status, *named):
+  assert status == trainer.EXIT_LOST == 69, err
+  # One line, and no traceback or C++ abort (the coordination service's own
+  # missed-heartbeat handler dumps a stack and raises SIGABRT).
+  assert "Traceback" not in err and "Check failure" not in err and "*** " not in err, err
+  lines = [l for l in err.splitlines() if l.startswith("error: ")]
+  assert len(lines) == 1, err
+  for text in named:
+    assert text in lines[0], lines[0]
+  assert "run the same command again on every process" in lines[0]
+  return lines[0]
+
+
+def _resume_equals_whole(tmp_path, cache, run_dir, whole):
+  """Both processes rerun the same command: the losses equal the uninterrupted run's exactly."""
+  procs = _start_two(run_dir, tmp_path, *LOST, env=_two_device_env(cache, devices=1), tag="again")
+  try:
+    for proc in procs:
+      proc.wait(timeout=300)
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  err = (tmp_path / "again0.err").read_text()
+  assert [p.returncode for p in procs] == [0, 0], err
+  assert "resuming from " in err
+  losses = _runs.train_losses(run_dir)
+  assert sorted(losses) == sorted(whole) == list(range(24))
+  assert [losses[k] for k in range(24)] == [whole[k] for k in range(24)]
+
+
+@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGSTOP)],
+                         ids=["sigkill-process-1", "sigstop-process-0"])
+def test_a_lost_process_ends_the_other_with_one_line(tmp_path, cache, whole, victim, sig):
+  """Killed (the coordination service notices) or stopped (its heartbeats stop): the
+  other process leaves within seconds with EXIT_LOST and one line; the rerun is exact.
+
+  Process 0 holds the coordination service, so stopping it is the case where
+  the survivor must notice that the service itself went quiet.
+  """
+  status, took, err, run_dir = _lose_one(tmp_path, cache, victim, sig)
+  line = _says_lost_in_one_line(err, status, f"lost process {victim} of 2",
+                                f"process {1 - victim} stopped without saving")
+  # Within the heartbeat timeout (3 s) and the time the service takes to tell.
+  assert took < 20, (took, line)
+  # A checkpoint being written when the peer went is never taken for a committed one.
+  _resume_equals_whole(tmp_path, cache, run_dir, whole)
+
+
+def test_a_step_that_makes_no_progress_ends_the_run(tmp_path, cache):
+  """A stopped peer with heartbeats too slow to notice: dist.step_timeout_s does."""
+  status, took, err, _ = _lose_one(tmp_path, cache, 1, signal.SIGSTOP,
+                                   "dist.heartbeat_timeout_s=120", "dist.step_timeout_s=4")
+  _says_lost_in_one_line(err, status, "no training step finished for",
+                         "dist.step_timeout_s=4", "process 0 stopped without saving")
+  assert took < 20, took

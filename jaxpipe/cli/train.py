@@ -6,10 +6,12 @@
 Running the same command again resumes from the newest checkpoint in run.dir;
 a larger run.steps continues a finished run; --resume refuses to start one
 that has no checkpoint. Exit status: 0 done; 2 bad input (one line on stderr,
-nothing created); 3 stopped on a non-finite loss (nan_policy=stop); 75
-stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to resume);
-128+signal stopped at once by a second signal, without saving (130 for
-Ctrl-C).
+nothing created); 3 stopped on a non-finite loss (nan_policy=stop); 69 a
+process of a multi-process run was lost (or a step hung for
+dist.step_timeout_s), stopped without saving (rerun every process to resume
+from the newest checkpoint); 75 stopped by SIGTERM/SIGINT after saving a
+checkpoint (rerun to resume); 128+signal stopped at once by a second signal,
+without saving (130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=3e-4")
   args = parser.parse_args(argv)
 
-  from jaxpipe import launch  # pylint: disable=g-import-not-at-top
+  from jaxpipe import _watchdog, launch  # pylint: disable=g-import-not-at-top
   from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
   try:
     cfg = config_lib.load(args.config, args.overrides)
@@ -53,6 +55,8 @@ def main(argv=None) -> int:
     from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
     launch.start(cfg)
     summary = trainer.train(cfg, require_resume=args.resume)
+    # Every process got here: none may now take another's exit for a loss.
+    _watchdog.stop_watching(done=True)
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -67,6 +71,12 @@ def main(argv=None) -> int:
     sys.stdout.flush()
     # trainer.EXIT_SIGNAL + the signal, written out: trainer may not be imported yet.
     os._exit(128 + signum)  # pylint: disable=protected-access
+  except Exception:
+    # In a run of several processes, a collective whose peer died fails here
+    # at once, before the heartbeats have told the peer lost; then the loss
+    # is what to report (the process exits inside), not this error.
+    _watchdog.await_loss()
+    raise
   if summary["is_main"]:
     print(trainer.format_summary(summary), flush=True)
     if summary["exit_code"] == 0:
