@@ -147,7 +147,14 @@ def whole(tmp_path_factory, cache):
   """An uninterrupted two-process run of LOST: the losses a resumed run must equal."""
   tmp = tmp_path_factory.mktemp("whole")
   run_dir = str(tmp / "run")
-  procs = _start_two(run_dir, tmp, *LOST, env=_two_device_env(cache, devices=1), tag="whole")
+  codes = _run_two_to_end(run_dir, tmp, cache, "whole")
+  assert codes == [0, 0], (tmp / "whole0.err").read_text()
+  return _runs.train_losses(run_dir)
+
+
+def _run_two_to_end(run_dir, tmp, cache, tag):
+  """Runs LOST on two processes until both exit (killed after 300 s); their exit statuses."""
+  procs = _start_two(run_dir, tmp, *LOST, env=_two_device_env(cache, devices=1), tag=tag)
   try:
     for proc in procs:
       proc.wait(timeout=300)
@@ -155,8 +162,7 @@ def whole(tmp_path_factory, cache):
     for proc in procs:
       if proc.poll() is None:
         proc.kill()
-  assert [p.returncode for p in procs] == [0, 0], (tmp / "whole0.err").read_text()
-  return _runs.train_losses(run_dir)
+  return [p.returncode for p in procs]
 
 
 def _lose_one(tmp_path, cache, victim, sig, *more):
@@ -199,16 +205,9 @@ def _says_lost_in_one_line(err, status, *named):
 
 def _resume_equals_whole(tmp_path, cache, run_dir, whole):
   """Both processes rerun the same command: the losses equal the uninterrupted run's exactly."""
-  procs = _start_two(run_dir, tmp_path, *LOST, env=_two_device_env(cache, devices=1), tag="again")
-  try:
-    for proc in procs:
-      proc.wait(timeout=300)
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
+  codes = _run_two_to_end(run_dir, tmp_path, cache, "again")
   err = (tmp_path / "again0.err").read_text()
-  assert [p.returncode for p in procs] == [0, 0], err
+  assert codes == [0, 0], err
   assert "resuming from " in err
   losses = _runs.train_losses(run_dir)
   assert sorted(losses) == sorted(whole) == list(range(24))

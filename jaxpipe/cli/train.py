@@ -21,6 +21,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,8 +75,12 @@ def main(argv=None) -> int:
   except Exception:
     # In a run of several processes, a collective whose peer died fails here
     # at once, before the heartbeats have told the peer lost; then the loss
-    # is what to report (the process exits inside), not this error.
-    _watchdog.await_loss()
+    # is what to report, not this error. The thread that declares the loss
+    # prints its line and ends the process; raising here would race it with
+    # a traceback, so this thread waits for that exit.
+    if _watchdog.await_loss():
+      while True:
+        time.sleep(60)
     raise
   if summary["is_main"]:
     print(trainer.format_summary(summary), flush=True)
