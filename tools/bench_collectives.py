@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,11 @@ import time
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxpipe.cli._common import Parser  # pylint: disable=g-import-not-at-top,wrong-import-position
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from bench_common import free_port
+from jaxpipe.cli._common import Parser
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 # (name, shape): the pipeline's per-tick and per-step payloads at the benchmark's shape.
 PAYLOADS = (("activation 2x64x256", (2, 64, 256)), ("softmax stats 2x64x3", (2, 64, 3)),
@@ -80,17 +83,11 @@ def _worker(spec: dict) -> None:
     jax.distributed.shutdown()
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _run(cores: tuple[str, str], reps: int, processes: bool) -> dict:
   """{op | payload: [q1, median, q3] microseconds}, one process or two."""
   me = os.path.abspath(__file__)
   if processes:
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     specs = [({"reps": reps, "dist": {"coordinator": coordinator, "process_id": i}}, core)
              for i, core in enumerate(cores)]
   else:
@@ -112,6 +109,9 @@ def _run(cores: tuple[str, str], reps: int, processes: bool) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
   """Parses the command line, times both ways, prints (and writes) the table."""
+  # Here, not at the top: it imports jax, which the timing children must
+  # import only after setting their XLA_FLAGS and JAX_PLATFORMS.
+  from bench_report import load  # pylint: disable=g-import-not-at-top
   p = Parser(prog="bench_collectives", description=__doc__.split("\n")[0])
   p.add_argument("--reps", type=int, default=100, help="timed calls per collective (default 100)")
   p.add_argument("--cores", default="0,1", help="the two cores to pin to (default 0,1)")
@@ -127,14 +127,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"bench_collectives: --cores needs two different cores of {sorted(usable)}, "
           f"got {args.cores!r}", file=sys.stderr)
     return 2
-  load = "/".join(f"{x:.2f}" for x in os.getloadavg())
+  load_at_start = load()
   try:
     one, two = _run(cores, args.reps, False), _run(cores, args.reps, True)
   except (RuntimeError, subprocess.TimeoutExpired) as e:
     print(f"bench_collectives: {e}", file=sys.stderr)
     return 1
-  lines = [f"{args.reps} calls each, pinned to cores {args.cores}; load average at start {load}, "
-           f"at end {'/'.join(f'{x:.2f}' for x in os.getloadavg())}", "",
+  lines = [f"{args.reps} calls each, pinned to cores {args.cores}; load average at start {load_at_start}, "
+           f"at end {load()}", "",
            "| collective | payload | one process, 2 devices: median us (quartiles) "
            "| two gloo processes: median us (quartiles) | ratio |", "|---|---|---:|---:|---:|"]
   for key, (q1, med, q3) in one.items():

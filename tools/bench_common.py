@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import socket
 import tempfile
 import time
 from typing import Any, Optional
@@ -230,3 +231,10 @@ def write(text: str, path: Optional[str], log) -> None:
     with open(path, "w") as f:
       f.write(text)
     log(f"wrote {path}")
+
+
+def free_port() -> int:
+  """A TCP port on loopback that nothing listens on now (for a jax.distributed coordinator)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

@@ -36,7 +36,11 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxpipe.cli._common import Parser  # pylint: disable=g-import-not-at-top,wrong-import-position
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from bench_report import load as _load
+from jaxpipe.cli._common import Parser
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 SHAPE = ("model.dim=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2",
          "data.seq_len=64", "data.batch_size=16", "pipeline.microbatches=8",
@@ -45,10 +49,6 @@ SHAPE = ("model.dim=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_hea
 SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
 # Steps before this one include the compilation and the first dispatches.
 FIRST_TIMED = 3
-
-
-def _load() -> str:
-  return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def run_once(schedule: str, cores: str, tokenizer: str, steps: int, work: str,

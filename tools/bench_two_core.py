@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from bench_common import COUNT_FLAG, SCHEDULES, CeilingRunner, ModelShape, Runner, write
+from bench_common import (COUNT_FLAG, SCHEDULES, CeilingRunner, ModelShape, Runner, free_port,
+                          write)
 from bench_report import account_tables, load, machine, two_core_table
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -190,16 +190,10 @@ class _Group:
       m.close()
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _processes(label: str, base: dict[str, Any], schedule: str,
                cores: tuple[str, str]) -> _Group:
   """`schedule` with two stages as two jax.distributed processes, one per core."""
-  coordinator = f"127.0.0.1:{_free_port()}"
+  coordinator = f"127.0.0.1:{free_port()}"
   members = [_Pinned(f"{label} p{i}", dict(base, schedule=schedule, stages=2, data=1, dist={
       "coordinator": coordinator, "num_processes": 2, "process_id": i}), core)
              for i, core in enumerate(cores)]
