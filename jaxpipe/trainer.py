@@ -175,7 +175,11 @@ def build(cfg: Config, devices=None) -> Run:
                            expert_parallel=cfg.mesh.expert_parallel,
                            vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
                            predict=optim.predicted_params if cfg.optimizer.weight_prediction else None)
-  return Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
+  run = Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
+  # Refused here, before anything is written: this process's rows of a batch
+  # must be one aligned block of it (the loop reads them again, `_batches`).
+  _rows_of_process(schedule.batch_sharding(), run.batch_shape)
+  return run
 
 
 def device_peak_tflops(kind: str) -> Optional[float]:
