@@ -116,19 +116,15 @@ class StageFns(NamedTuple):
   def loss(self, shared: Tree, x: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean cross-entropy of `x` over the whole vocabulary (one device, no mesh axis).
 
-    A target outside the vocabulary makes the loss and its gradient NaN.
+    The one-device reference's head (schedule `none`): `jaxpipe.xent`'s
+    cross-entropy, the function a model's own loss calls with these very
+    arguments (jaxpipe's `Model.head_loss` does), and the one the pipelines'
+    head calls over a split vocabulary. A target outside the vocabulary
+    makes the loss and its gradient NaN.
     """
-    if self.loss_chunk:
-      return _vocab.chunked_cross_entropy(self.logits, shared, x, targets, 0, self.vocab_size,
-                                          None, self.loss_chunk)
-    logits = self.logits(shared, x)
-    cols = jnp.arange(logits.shape[-1])
-    z = jnp.where(cols < self.vocab_size, logits, -jnp.inf)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    target = jnp.take_along_axis(z, jnp.clip(targets, 0, logits.shape[-1] - 1)[..., None],
-                                 axis=-1)[..., 0]
-    bad = (targets < 0) | (targets >= self.vocab_size)
-    return jnp.mean((lse - target) * jnp.where(bad, jnp.nan, 1.0))
+    return _vocab.chunked_cross_entropy(self.logits, shared, x, targets, offset=0,
+                                        vocab_size=self.vocab_size, axis=None,
+                                        chunk=self.loss_chunk)
 
 
 def expert_exchange(x: jax.Array) -> jax.Array:
