@@ -172,6 +172,7 @@ def build(cfg: Config, devices=None) -> Run:
   launch.check_devices(cfg, devices)
   mesh = _mesh(cfg, devices)
   schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash,
+                           virtual_stages=p.virtual_stages,
                            shard_optimizer=cfg.mesh.shard_optimizer,
                            expert_parallel=cfg.mesh.expert_parallel,
                            vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
@@ -358,7 +359,8 @@ def _restore(run: Run, ckpt: Checkpointer, step: int, saved: dict[str, Any], sta
   arrays, data_state = ckpt.restore_arrays(step, abstract)
   restored = jax.tree_util.tree_map_with_path(lambda p, x: arrays.get(path_key(p), x), state)
   try:
-    new_state = schedule.resume(restored, state, guarded=cfg.run.nan_policy == "stop")
+    new_state = schedule.resume(restored, state, guarded=cfg.run.nan_policy == "stop",
+                                saved_stages=s_old)
   except ValueError as e:
     raise CheckpointError(f"cannot resume {ckpt.directory}/{step} on this mesh: {e}") from None
   if moved and jax.process_index() == 0:
