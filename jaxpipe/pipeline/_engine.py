@@ -38,10 +38,13 @@ head's loss only.
 Interleaved 1F1B (`plan.virtual_stages` v > 1): `blocks` holds the stage's v
 chunks of L/(S v) blocks one after another (chunk j is the pipeline's
 virtual stage j*S + s; `layer_order` in `_timetable`). A forward or
-backward runs the chunk the plan names: the chunk's blocks are sliced out of
-the stage's (`lax.dynamic_slice`, a copy of 1/v of the stage's weights per
-use, which a `lax.switch` over the chunks would trade for v copies of the
-stage's program in every tick) and its weight gradient added into that
+backward runs the chunk the plan names. In the lockstep order stage s's
+chunk changes every S ticks, offset by s, so no loop of ticks has one chunk
+on every stage and the choice is made per tick: the chunk's blocks are
+sliced out of the stage's (`lax.dynamic_slice`, a copy of 1/v of the
+stage's weights per use, which a `lax.switch` over the chunks would trade
+for v copies of the stage's program in every tick; `chunk_of` takes a
+static chunk as a static slice) and its weight gradient is added into that
 chunk's rows of the accumulator in place. Stage S-1's output goes round the
 ring to stage 0 (and stage 0's input cotangent to stage S-1), so every
 stage both sends and receives in both directions. The embedding feeds
