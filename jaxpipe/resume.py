@@ -285,7 +285,8 @@ def _restore(run: Run, ckpt: Checkpointer, decision: Decision, state: Any):
   arrays, data_state = ckpt.restore_arrays(step, abstract)
   restored = jax.tree_util.tree_map_with_path(lambda p, x: arrays.get(path_key(p), x), state)
   try:
-    new_state = schedule.resume(restored, state, guarded=cfg.run.nan_policy == "stop")
+    new_state = schedule.resume(restored, state, guarded=cfg.run.nan_policy == "stop",
+                                saved_stages=decision.saved.stages)
   except ValueError as e:
     raise CheckpointError(f"cannot resume {ckpt.directory}/{step} on this mesh: {e}") from None
   if decision.relayout and jax.process_index() == 0:

@@ -171,6 +171,7 @@ def build(cfg: Config, devices=None) -> Run:
   launch.check_devices(cfg, devices)
   mesh = _mesh(cfg, devices)
   schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash,
+                           virtual_stages=p.virtual_stages,
                            shard_optimizer=cfg.mesh.shard_optimizer,
                            expert_parallel=cfg.mesh.expert_parallel,
                            vocab_parallel=config_lib.vocab_parallel(cfg.model, p),

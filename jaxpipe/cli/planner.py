@@ -43,7 +43,10 @@ from jaxpipe import launch
 from jaxpipe.cli._common import Parser
 from jaxpipe.errors import ConfigError, InputError
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved")
+# Interleaved's chunks per device in the table when the config's schedule is
+# another one (whose pipeline.virtual_stages is 1).
+VIRTUAL_STAGES = 2
 STASHES = ("inputs", "residuals")
 
 # Rows of the table, in order: (key, label).
@@ -62,13 +65,35 @@ ROWS = (
 )
 
 
-def steady_bubble(schedule: str, num_stages: int, num_microbatches: int) -> Optional[float]:
+def steady_bubble(schedule: str, num_stages: int, num_microbatches: int,
+                  virtual_stages: int = 1) -> Optional[float]:
   """Idle share of a steady-state step, from the engine's plan (None: invalid)."""
   from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   try:
-    return facts(schedule, num_stages, num_microbatches).bubble
+    return facts(schedule, num_stages, num_microbatches, virtual_stages).bubble
   except ValueError:
     return None
+
+
+def virtual_stages(cfg: config_lib.Config, schedule: str) -> int:
+  """v for `schedule` in the plan: the config's for interleaved, else VIRTUAL_STAGES; 1 for the rest."""
+  if schedule != "interleaved":
+    return 1
+  p = cfg.pipeline
+  return p.virtual_stages if p.schedule == "interleaved" else VIRTUAL_STAGES
+
+
+def _refuses(cfg: config_lib.Config, schedule: str) -> bool:
+  """Whether `schedule` cannot run the config's S, M (and layers, for interleaved's chunks)."""
+  from jaxpipe.pipeline import check_virtual_stages, min_microbatches  # pylint: disable=g-import-not-at-top
+  s_, m, v = cfg.pipeline.stages, cfg.pipeline.microbatches, virtual_stages(cfg, schedule)
+  if schedule == "none":
+    return False
+  try:
+    check_virtual_stages(schedule, s_, m, v)
+  except ValueError:
+    return True
+  return m < min_microbatches(schedule, s_, v) or cfg.model.n_layers % (s_ * v) != 0
 
 
 def resolve_vocab(cfg: config_lib.Config) -> config_lib.Config:
@@ -160,6 +185,8 @@ class Plan:
       of the whole state)}}, over the whole mesh (`Schedule.checkpointed`:
       2bw's in-flight arrays are recomputed at resume, not saved); None
       where the schedule refuses the config.
+    facts: `jaxpipe.pipeline.facts` of the config's schedule (ticks, bubble,
+      stash slots, transfers, ...), as a dict; None where it refuses.
   """
   cfg: config_lib.Config
   num_params: int
@@ -172,6 +199,7 @@ class Plan:
   vocab_parallel: bool = True
   checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = dataclasses.field(
       default_factory=dict)
+  facts: Optional[dict[str, Any]] = None
 
   def total(self, schedule: str, stash: Optional[str] = None) -> Optional[int]:
     """Bytes per device of a schedule (with the config's stash choice by default).
@@ -269,10 +297,12 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   stage_params = 0
   for name in SCHEDULES:
     pipelined = name != "none"
-    bubble[name] = steady_bubble(name, s_, m)
+    v = virtual_stages(cfg, name)
+    refused = _refuses(cfg, name)
+    bubble[name] = None if refused else steady_bubble(name, s_, m, v)
     out[name], checkpoint[name] = {}, {}
     stashes = STASHES if pipelined else ("inputs",)
-    if pipelined and m < min_microbatches(name, s_):
+    if refused:
       out[name] = checkpoint[name] = {st: None for st in stashes}
       continue
     num = s_ if pipelined else 1
@@ -292,6 +322,9 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
     if pipelined:
       stage_params = sum(int(x.size) for x in jax.tree.leaves((blk, local)))
     prepared = jax.eval_shape(fns.prepare, whole)
+    # Interleaved's stash slot and backward hold one chunk: 1/v of the stage.
+    prepared = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // v,) + x.shape[1:],
+                                                           x.dtype), prepared)
     recompute = _bytes(residual_shapes(fns.stage, prepared, x_like))
     # The head's working set: float32 logits of this device's vocabulary
     # slice, their exponentials and their gradient, for the tokens the head
@@ -308,7 +341,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
         or [0])
     for stash in stashes:
       mesh = make_mesh(num, d_)
-      sched = make_schedule(name, fns, optimizer, mesh, m, stash=stash,
+      sched = make_schedule(name, fns, optimizer, mesh, m, stash=stash, virtual_stages=v,
                             shard_optimizer=cfg.mesh.shard_optimizer,
                             expert_parallel=cfg.mesh.expert_parallel,
                             vocab_parallel=config_lib.vocab_parallel(
@@ -332,7 +365,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
       row["grads"] = one_version
       entry = (recompute if stash == "residuals" else act) + 4
       if pipelined:
-        p = step_plan(name, s_, m)
+        p = step_plan(name, s_, m, v)
         slots = sched.engine.num_slots
         if name != "2bw":
           row["stash"] = slots * (entry + (act if p.head_stash else 0))
@@ -345,8 +378,9 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
           # The forward's stash entry is written before the backward starts:
           # a tick's working set is the larger of the two, plus the head's.
           fwd_ws = entry + 2 * act if kind.fwd else 0
-          bwd_ws = ((entry if stash == "residuals" else recompute + act) + f32(blk) + 2 * act
-                    if kind.bwd else 0)
+          # (a chunk's weight gradient and its copy of the chunk's weights with v > 1)
+          bwd_ws = ((entry if stash == "residuals" else recompute + act) + f32(blk) // v
+                    + (_bytes(blk) // v if v > 1 else 0) + 2 * act if kind.bwd else 0)
           ws = max(fwd_ws, bwd_ws) + (head if kind.head_version is not None else 0)
           key = kind.bwd if stash == "residuals" or not kind.bwd else (kind.fwd, kind.bwd)
           classes[key] = max(classes.get(key, 0), ws)
@@ -365,35 +399,48 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   work_per_stage: dict[str, list[float]] = {}
   traffic: dict[str, float] = {}
   vp = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
-  if s_ > 1 and m >= min_microbatches(cfg.pipeline.schedule, s_):
+  if s_ > 1 and not _refuses(cfg, cfg.pipeline.schedule):
     name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
+    v = virtual_stages(cfg, name)
     # The stage functions as the schedule gives them to its engine.
     mode_fns = fns if vp else fns._replace(vocab_axes=jax.tree.map(
         lambda _: None, fns.vocab_axes, is_leaf=lambda a: a is None))
     sh_mode = stage_shapes(s_)[2] if vp else shared
-    engine = Engine(mode_fns, step_plan(name, s_, m), stash=cfg.pipeline.stash)
+    engine = Engine(mode_fns, step_plan(name, s_, m, v), stash=cfg.pipeline.stash)
     traffic = engine.traffic(_bytes(jax.eval_shape(fns.embed, shared, tokens)),
                              rows * cfg.data.seq_len)
     if work:
       for stash in STASHES:
-        work_per_stage[stash] = _tick_costs(mode_fns, step_plan(name, s_, m), blocks, sh_mode,
-                                            tokens, stash)
+        work_per_stage[stash] = _tick_costs(mode_fns, step_plan(name, s_, m, v), blocks,
+                                            sh_mode, tokens, stash)
 
   # Warnings: what the user should change before launching.
   need = min_microbatches("2bw", s_)
   if m < need:
     warnings.append(f"2bw needs pipeline.microbatches >= 2(S-1) = {need} for S={s_} stages "
                     f"(got M={m}); raise M to use it")
-  for name in ("gpipe", "1f1b", "pipedream"):
+  for name in ("gpipe", "1f1b", "pipedream", "interleaved"):
     b = bubble[name]
-    if s_ > 1 and b is not None and b > max_bubble:
+    if s_ > 1 and b is not None and b > max_bubble and name != "interleaved":
       # bubble = (S-1) / (M + S-1) <= x  <=>  M >= (S-1)(1-x)/x
       m_ok = -(-int(round((s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * 1000)))
       warnings.append(f"{name} idles {b:.0%} of every step at S={s_}, M={m} (above "
                       f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
+    elif s_ > 1 and b is not None and b > max_bubble:
+      # (S-1) / (vM + S-1) <= x  <=>  M >= (S-1)(1-x) / (x v), a multiple of S
+      v = virtual_stages(cfg, name)
+      m_ok = -(-int(round((s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * v * 1000)))
+      m_ok = -(-m_ok // s_) * s_
+      warnings.append(f"{name} (v={v}) idles {b:.0%} of every step at S={s_}, M={m} (above "
+                      f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
   limit = device_gib * 2 ** 30
+  own = None
+  if not _refuses(cfg, cfg.pipeline.schedule):
+    from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
+    own = dataclasses.asdict(facts(cfg.pipeline.schedule, s_, m,
+                                   virtual_stages(cfg, cfg.pipeline.schedule)))
   result = Plan(cfg, num_params, int(stage_params), out, work_per_stage, bubble, warnings,
-                traffic, vp, checkpoint)
+                traffic, vp, checkpoint, own)
   for name in SCHEDULES:
     total = result.total(name)
     if total is not None and total > limit:
@@ -441,7 +488,8 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   m = cfg.pipeline.microbatches
   stages = cfg.pipeline.stages if schedule != "none" else 1
   sched = make_schedule(schedule, fns, optimizer, make_mesh(stages, cfg.mesh.data), m,
-                        stash=stash, shard_optimizer=cfg.mesh.shard_optimizer,
+                        stash=stash, virtual_stages=virtual_stages(cfg, schedule),
+                        shard_optimizer=cfg.mesh.shard_optimizer,
                         expert_parallel=cfg.mesh.expert_parallel,
                         vocab_parallel=config_lib.vocab_parallel(cfg.model, cfg.pipeline))
   batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
@@ -499,6 +547,14 @@ def format_plan(p: Plan, device_gib: float) -> str:
                            for j, c in enumerate(r)))
     if i == 0:
       lines.append("  ".join("-" * w for w in widths))
+  f = p.facts
+  if f is not None and f["ticks"]:
+    chunked = f" (v={f['virtual_stages']} chunks per device)" if f["virtual_stages"] > 1 else ""
+    lines += ["", f"{cfg.pipeline.schedule}{chunked}: {f['ticks']} ticks per step, a step lasts "
+              f"{f['step_cost'] / 3:g} forward+backward pairs of a stage, bubble "
+              f"{f['bubble']:.1%}, {f['stash_slots']} stash slots per device, "
+              f"{f['transfers']} activations (and as many cotangents) sent between devices "
+              "per step"]
   saved = p.checkpoint.get(cfg.pipeline.schedule, {}).get(
       cfg.pipeline.stash if cfg.pipeline.schedule != "none" else "inputs")
   if saved is not None:
@@ -508,8 +564,9 @@ def format_plan(p: Plan, device_gib: float) -> str:
                  if saved[1] > saved[0] else "")]
   if p.work:
     name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
-    lines += ["", f"work per tick (one microbatch's forward and backward), {name}, "
-              "FLOPs per stage:"]
+    what = ("one chunk's forward and backward of a microbatch, the head included"
+            if name == "interleaved" else "one microbatch's forward and backward")
+    lines += ["", f"work per tick ({what}), {name}, FLOPs per stage:"]
     for stash, w in p.work.items():
       lines.append(f"  stash {stash:9s} " + "  ".join(f"s{i}={flops(x)}" for i, x in
                                                     enumerate(w))
@@ -534,6 +591,9 @@ def format_plan(p: Plan, device_gib: float) -> str:
       "loop of ticks of one kind (a backward's recompute or residual read, its weight",
       "gradient, the head's float32 logits of the device's vocabulary slice); the reduced",
       "gradient and the optimizer update; pipedream's and 2bw's version copies.",
+      f"interleaved: v={virtual_stages(cfg, 'interleaved')} chunks per device (its slots and "
+      "working sets hold a chunk's);"
+      " `-` where a schedule refuses S, M or the layers.",
       "`tools/planner.py --compile` compiles the config's step and prints XLA's own numbers.",
   ]
   if p.warnings:
@@ -565,6 +625,7 @@ def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
                                                             ("inputs",))}
                     for n in SCHEDULES},
       "traffic_bytes_per_tick": p.traffic,
+      "facts": p.facts,
       "vocab_parallel": p.vocab_parallel,
       "checkpoint_bytes": dict(zip(("saved", "state"), p.checkpoint.get(
           cfg.pipeline.schedule, {}).get(cfg.pipeline.stash if cfg.pipeline.schedule != "none"

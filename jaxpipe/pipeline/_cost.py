@@ -28,7 +28,8 @@ Tree = Any
 __all__ = ["stage_tick", "flops", "one_tick_plan"]
 
 _PER_ROW = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot",
-            "embed_version", "head_version", "head_acc", "embed_grad_version", "embed_acc")
+            "embed_version", "head_version", "head_acc", "embed_grad_version", "embed_acc",
+            "fwd_chunk", "bwd_chunk")
 
 
 def one_tick_plan(plan: StepPlan, tick: int) -> StepPlan:
