@@ -26,7 +26,7 @@ import yaml
 
 from jaxpipe.errors import ConfigError
 # The model owns its section; this module composes the sections.
-from jaxpipe.model._config import ModelConfig, MoEConfig
+from jaxpipe.model import ModelConfig, MoEConfig
 
 __all__ = [
     "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",

@@ -318,7 +318,7 @@ def _opened(file: str, safe_open):
 def load_params(path: str, cfg_model: Any) -> dict[str, Any]:
   """The jaxpipe parameters of a Hugging Face Llama checkpoint, for a config of its shape.
 
-  Returns the tree `jaxpipe.model.build(cfg_model).init` makes ('blocks'
+  Returns the tree `jaxpipe.model.make_model(cfg_model).init` makes ('blocks'
   stacked on a leading layer axis, 'head/out' absent when tied), as numpy
   arrays in model.param_dtype. The checkpoint's weights may be in any
   floating dtype (bfloat16 checkpoints are read exactly).
@@ -384,7 +384,7 @@ def _unpad_and_check(cfg_model: Any, params: Mapping[str, Any]) -> dict[str, Any
   import jax  # pylint: disable=g-import-not-at-top
 
   from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
-  model = model_lib.build(cfg_model)
+  model = model_lib.make_model(cfg_model)
   want = jax.eval_shape(model.init, jax.random.key(0))
   host = jax.tree.map(np.asarray, jax.device_get(dict(params)))
   if jax.tree.structure(host) != jax.tree.structure(want):

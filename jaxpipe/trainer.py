@@ -1,6 +1,6 @@
 """The training loop: joins config, data, model, optimizer, schedule and checkpoints.
 
-`build(cfg)` makes every piece of a run from its config; `train(cfg)` runs it:
+`make_run(cfg)` makes every piece of a run from its config; `train(cfg)` runs it:
 resume or start, then per step fetch a batch, run the schedule's jitted step,
 log, evaluate, checkpoint; stop cleanly on SIGTERM/SIGINT; guard against
 non-finite values. The loop (`_train`) is short on purpose: each concern it
@@ -45,7 +45,7 @@ from jaxpipe.errors import CheckpointError, ConfigError, DataError, InputError
 from jaxpipe.pipeline import (Schedule, StageFns, axes_across_nodes, expert_exchange, make_mesh,
                               make_schedule)
 
-__all__ = ["Run", "build", "train", "schedule_change", "EXIT_NONFINITE", "EXIT_INTERRUPTED",
+__all__ = ["Run", "make_run", "train", "schedule_change", "EXIT_NONFINITE", "EXIT_INTERRUPTED",
            "EXIT_SIGNAL", "EXIT_LOST"]
 
 # Exit statuses (2, bad input, is every command's: jaxpipe.errors). A requeue
@@ -70,7 +70,7 @@ EXIT_LOST = _watchdog.EXIT_LOST
 
 @dataclasses.dataclass
 class Run:
-  """Everything a run is made of, built from its config by `build`."""
+  """Everything a run is made of, built from its config by `make_run`."""
   cfg: Config
   data: data_lib.TokenData
   model: model_lib.Model
@@ -130,8 +130,8 @@ def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
   Mixture-of-Experts layer that a pipeline gives a slice of the experts sends
   tokens to them over 'data'.
   """
-  model = model_lib.build(cfg.model, exchange=expert_exchange)
-  return model, stage_fns(model), optim.build(cfg.optimizer, cfg.run.steps)
+  model = model_lib.make_model(cfg.model, exchange=expert_exchange)
+  return model, stage_fns(model), optim.make_optimizer(cfg.optimizer, cfg.run.steps)
 
 
 def resolve_attention(cfg: Config) -> Config:
@@ -161,7 +161,7 @@ def _mesh(cfg: Config, devices) -> jax.sharding.Mesh:
   return mesh
 
 
-def build(cfg: Config, devices=None) -> Run:
+def make_run(cfg: Config, devices=None) -> Run:
   """Builds data, model, optimizer, mesh and schedule from a validated config."""
   data = open_data(cfg)
   cfg = resolve_attention(resolve_model(cfg, data))
@@ -240,7 +240,7 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   if require_resume and not os.path.isdir(checkpoints):
     # Refused before anything is built or written: a refused run creates nothing.
     raise CheckpointError(f"--resume: no checkpoint in {checkpoints}")
-  run = build(cfg, devices)
+  run = make_run(cfg, devices)
   init_params = None
   if (run.cfg.model.init_from and not require_resume
       and not os.path.isdir(os.path.join(run.cfg.run.dir, "checkpoints"))):

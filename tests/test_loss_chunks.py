@@ -57,7 +57,7 @@ def _assert_grads_close(got, want):
 
 
 def _model(tie: bool, chunk: int = 0, vocab: int = CFG.vocab_size) -> model_lib.Model:
-  return model_lib.build(dataclasses.replace(CFG, tie_embeddings=tie, loss_chunk=chunk,
+  return model_lib.make_model(dataclasses.replace(CFG, tie_embeddings=tie, loss_chunk=chunk,
                                              vocab_size=vocab))
 
 
@@ -254,7 +254,7 @@ def head_temp_bytes(chunk: int, vocab: int = MEM_VOCAB, tokens: int = MEM_TOKENS
 
   Shapes only (`jax.ShapeDtypeStruct`): nothing of that size is allocated.
   """
-  m = model_lib.build(dataclasses.replace(CFG, vocab_size=vocab, dim=dim, loss_chunk=chunk))
+  m = model_lib.make_model(dataclasses.replace(CFG, vocab_size=vocab, dim=dim, loss_chunk=chunk))
   params = jax.eval_shape(m.init, jax.random.key(0))
   head = {"embed": params["embed"], "head": params["head"]}
   x = jax.ShapeDtypeStruct((tokens // 1024, 1024, dim), jnp.float32)

@@ -41,7 +41,7 @@ PRESETS = {
 
 
 def _args(argv):
-  from jaxpipe.cli._common import Parser  # pylint: disable=g-import-not-at-top
+  from jaxpipe.cli import Parser  # pylint: disable=g-import-not-at-top
   p = Parser(prog="bench_accel", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                  help="gpu (default on an accelerator) or cpu (default on a CPU)")

@@ -79,7 +79,7 @@ def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatc
 def model_parts(shape: ModelShape, seed: int) -> tuple[Any, Any, Any]:
   """(the model, its StageFns, the optimizer) of the benchmark model, built once per shape."""
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
-  # The pieces `jaxpipe.trainer.build` makes, minus the token data.
+  # The pieces `jaxpipe.trainer.make_run` makes, minus the token data.
   return trainer.components(make_config(shape, "none", 1, 1))
 
 

@@ -64,7 +64,7 @@ from bench_common import (SCHEDULES, ModelShape, Runner, emulate_devices, memory
                           write)
 from bench_report import (compile_table, draw_sweep, load, machine, memory_table, step_table,
                           sweep_table, target_table)
-from jaxpipe.cli._common import Parser
+from jaxpipe.cli import Parser
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 SWEEP_STAGES = (2, 4)

@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_report import load as _load
-from jaxpipe.cli._common import Parser
+from jaxpipe.cli import Parser
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 SHAPE = ("model.dim=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2",

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxpipe.cli._common import Parser  # noqa: E402
+from jaxpipe.cli import Parser  # noqa: E402
 from jaxpipe.pipeline import Timetable, facts, min_microbatches, timetable  # noqa: E402
 
 SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream")

@@ -207,7 +207,7 @@ def _validate_meta(meta_path: str, meta: Any) -> dict[str, Any]:
   return meta
 
 
-def _scan(data: TokenData, name: str) -> int:
+def scan_split(data: TokenData, name: str) -> int:
   """Reads split `name` once in chunks and returns its largest id (0 when empty).
 
   In the same pass it hashes the bytes; it raises DataError at the first id
@@ -280,7 +280,7 @@ def _verify(data: TokenData, name: str, st: os.stat_result, cached: Any,
   """Checks split `name` (whose file has stat `st`) unless `cached` vouches for it.
 
   Returns the record to keep for it: `cached` itself on a hit, else a new one
-  after `_scan`.
+  after `scan_split`.
   """
   record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
             "ino": st.st_ino, "dtype": data.meta["dtype"],
@@ -293,7 +293,7 @@ def _verify(data: TokenData, name: str, st: os.stat_result, cached: Any,
       and st.st_mtime_ns < cached_mtime_ns and _is_int(cached.get("max_id"))
       and cached["max_id"] < data.vocab_size):
     return cached
-  record["max_id"] = _scan(data, name)
+  record["max_id"] = scan_split(data, name)
   return record
 
 

@@ -14,7 +14,7 @@ the stacked blocks, and `logits` (the final norm and the output layer, on any
 slice of the vocabulary); `vocab_axes` says which axis of each non-block leaf
 is the vocabulary. The model knows nothing of meshes: a Mixture-of-Experts
 layer given a slice of the experts sends tokens to them through an exchange
-function its caller passes to `build` (expert parallelism).
+function its caller passes to `make_model` (expert parallelism).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from jaxpipe.model import _attention, _moe
 
 Params = Any
 
-__all__ = ["Model", "Block", "KVCache", "build", "ffn_dim", "dtype_of", "num_params",
+__all__ = ["Model", "Block", "KVCache", "make_model", "ffn_dim", "dtype_of", "num_params",
            "flops_per_token", "token_flops", "TokenFlops", "cross_entropy"]
 
 
@@ -94,7 +94,7 @@ class Attention(nn.Module):
   """Causal grouped-query self-attention with rotary embeddings.
 
   The attention itself is the implementation `cfg.attention` selects
-  (`_attention.select`): XLA's, cuDNN's, or the blockwise one whose memory is
+  (`_attention.select_attention`): XLA's, cuDNN's, or the blockwise one whose memory is
   linear in the sequence length.
 
   Called as (x, positions, cache) it decodes instead: the tokens of x sit at
@@ -277,7 +277,7 @@ def _expert_axes(blocks: Params) -> Any:
   return jax.tree_util.tree_map_with_path(axis, blocks)
 
 
-def build(cfg: ModelConfig,
+def make_model(cfg: ModelConfig,
           exchange: Optional[Callable[[jax.Array], jax.Array]] = None) -> Model:
   """Returns the model's pure functions for a config whose vocab_size is set.
 

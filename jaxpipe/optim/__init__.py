@@ -17,7 +17,7 @@ pipelines, so other JAX projects can use it on its own.
 - `error_feedback(inner, coeff)`: the optimizer-agnostic correction for them.
 - `weight_prediction(inner, steps)` with `predicted_params(params, state)`:
   the other correction, gradients taken at extrapolated weights.
-- `learning_rate_schedule(cfg, total_steps)` and `build(cfg, total_steps)`:
+- `learning_rate_schedule(cfg, total_steps)` and `make_optimizer(cfg, total_steps)`:
   the whole chain from a config, `delay(error_feedback(clip + optimizer))`.
 
 Reference: Zmushko et al., "One-Step Gradient Delay is Not a Barrier for
@@ -25,7 +25,7 @@ Large-Scale Asynchronous Pipeline Parallel LLM Pretraining", arXiv 2606.30634,
 2026.
 """
 
-from jaxpipe.optim._build import build
+from jaxpipe.optim._build import make_optimizer
 from jaxpipe.optim._build import learning_rate_schedule
 from jaxpipe.optim._adan import adan
 from jaxpipe.optim._adan import AdanState
@@ -77,11 +77,11 @@ __all__ = [
     "VECTOR_NAMES",
     "adamw",
     "adan",
-    "build",
     "delay",
     "error_feedback",
     "learning_rate_schedule",
     "lion",
+    "make_optimizer",
     "mars",
     "mars_labels",
     "muon",

@@ -68,8 +68,8 @@ def _layout(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Permutation (batch, reduction, output axes) and the [*b, m, n] shape."""
   ndim = len(shape)
-  red = _optimizers._axes(ndim, dims.reduction_axis)
-  out = _optimizers._axes(ndim, dims.output_axis)
+  red = _optimizers.wrap_axes(ndim, dims.reduction_axis)
+  out = _optimizers.wrap_axes(ndim, dims.output_axis)
   if not red or not out or set(red) & set(out):
     raise ValueError(f"SOAP needs disjoint, non-empty reduction and output "
                      f"axes; got {dims} for shape {shape}")
@@ -254,7 +254,7 @@ def scale_by_soap(
     Vyas et al., `SOAP: Improving and Stabilizing Shampoo using Adam
     <https://arxiv.org/abs/2409.11321>`_, 2024
   """
-  dims_fn = _optimizers._dims_fn(dimension_numbers)
+  dims_fn = _optimizers.dims_fn_of(dimension_numbers)
   if isinstance(precondition_frequency, int) and precondition_frequency < 1:
     raise ValueError(f"precondition_frequency must be >= 1, got "
                      f"{precondition_frequency}")
@@ -348,7 +348,7 @@ def scale_by_soap(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _checked_labels(labels: Any) -> Callable[[Any], Any]:
+def checked_labels(labels: Any) -> Callable[[Any], Any]:
   """Resolves labels to 'soap' / 'adam', refusing SOAP leaves below 2-D."""
   labels = _grouping.param_labels if labels is None else labels
 
@@ -485,10 +485,10 @@ def soap(
     Vyas et al., `SOAP: Improving and Stabilizing Shampoo using Adam
     <https://arxiv.org/abs/2409.11321>`_, 2024
   """
-  return _optimizers._with_adamw(  # pylint: disable=protected-access
+  return _optimizers.with_adamw(
       scale_by_soap(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
                     precondition_frequency=precondition_frequency,
                     max_precond_dim=max_precond_dim, dimension_numbers=dimension_numbers),
-      _checked_labels(param_labels), main_label="soap", learning_rate=learning_rate,
+      checked_labels(param_labels), main_label="soap", learning_rate=learning_rate,
       adam_learning_rate=adam_learning_rate, b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype,
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask)

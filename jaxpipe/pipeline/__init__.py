@@ -20,6 +20,8 @@ _LAZY = {
     "TwoBWState": "_schedules", "InFlight": "_schedules", "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",
     "LAYOUTS": "_mesh", "axes_across_nodes": "_mesh",
+    "residual_shapes": "_engine", "stage_tick": "_cost", "flops": "_cost",
+    "padded_vocab": "_vocab", "pad_vocab": "_vocab", "unpad_vocab": "_vocab",
 }
 
 __all__ = ["Cell", "Facts", "PIPELINED", "SCHEDULE_NAMES", "StepPlan", "TickKind", "Timetable",

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe.pipeline import _vocab
-from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, _no_experts
+from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, no_experts
 from jaxpipe.pipeline._mesh import make_mesh
 from jaxpipe.pipeline._timetable import min_microbatches
 
@@ -123,15 +123,18 @@ class TwoBWState(NamedTuple):
            "inflight": "inflight"}
 
 
-def _pick(tree: Tree, index) -> Tree:
+def pick_version(tree: Tree, index) -> Tree:
+  """Version `index` of a ring of weight versions (each leaf's leading axis)."""
   return jax.tree.map(lambda v: v[index], tree)
 
 
-def _local(tree: Tree) -> Tree:
+def local_block(tree: Tree) -> Tree:
+  """A per-device tree's own block: each leaf without its [stage, data] axes of size 1."""
   return jax.tree.map(lambda x: x[0, 0], tree)
 
 
-def _per_device(tree: Tree) -> Tree:
+def per_device(tree: Tree) -> Tree:
+  """The inverse of `local_block`: each leaf given leading [stage, data] axes of size 1."""
   return jax.tree.map(lambda x: x[None, None], tree)
 
 
@@ -166,11 +169,6 @@ def _data_split(shape: tuple, spec: P, num_stages: int, num_data: int) -> P:
       entries[a] = (STAGE, DATA)
       return P(*entries)
   return spec
-
-
-def _acc_dtype(x) -> jnp.dtype:
-  # Gradients are summed over microbatches in float32, whatever the weights'.
-  return jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
 
 
 class Schedule:
@@ -265,7 +263,7 @@ class Schedule:
     return jax.tree.map(check, axes, blocks, is_leaf=lambda a: a is None)
 
   def _split_experts(self, blocks: Tree) -> Tree:
-    return (self.fns.expert_axes if self.expert_parallel else _no_experts)(blocks)
+    return (self.fns.expert_axes if self.expert_parallel else no_experts)(blocks)
 
   def _check_shared(self, shared: Tree) -> None:
     axes = jax.tree.structure(self.fns.vocab_axes, is_leaf=lambda a: a is None)
@@ -579,7 +577,7 @@ class Schedule:
           or min(x.shape[axes[0]], like.shape[axes[0]]) < v):
         raise ValueError(f"an array of shape {x.shape} in the checkpoint has shape "
                          f"{like.shape} on this mesh; only vocabulary padding may differ")
-      resize = functools.partial(_vocab._resize, axis=axes[0], size=like.shape[axes[0]])  # pylint: disable=protected-access
+      resize = functools.partial(_vocab.resize_axis, axis=axes[0], size=like.shape[axes[0]])
       return jax.jit(lambda a: resize(lax.slice_in_dim(a, 0, v, axis=axes[0])),
                      out_shardings=like.sharding)(x)
 

@@ -57,7 +57,7 @@ from jaxpipe.pipeline._timetable import StepPlan, TickKind
 Tree = Any
 
 __all__ = ["StageFns", "TickCarry", "Engine", "STASH_CHOICES", "PHASE", "make_varying",
-           "varying_axes", "residual_shapes", "expert_exchange"]
+           "varying_axes", "residual_shapes", "expert_exchange", "no_experts", "acc_dtype"]
 
 STAGE, DATA = "stage", "data"
 AXES = (STAGE, DATA)
@@ -76,8 +76,15 @@ def _same(blocks: Tree) -> Tree:
   return blocks
 
 
-def _no_experts(blocks: Tree) -> Tree:
+def no_experts(blocks: Tree) -> Tree:
+  """The `expert_axes` of a dense model: None (no expert axis) for every leaf of `blocks`."""
   return jax.tree.map(lambda _: None, blocks)
+
+
+def acc_dtype(x) -> jnp.dtype:
+  """The dtype `x`'s gradient is summed in over microbatches: float32 for floats, else x's."""
+  # Whatever the weights' dtype: a bfloat16 running sum drops the late microbatches' low bits.
+  return jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
 
 
 class StageFns(NamedTuple):
@@ -111,7 +118,7 @@ class StageFns(NamedTuple):
   vocab_axes: Tree
   prepare: Callable[[Tree], Tree] = _same
   loss_chunk: int = 0
-  expert_axes: Callable[[Tree], Tree] = _no_experts
+  expert_axes: Callable[[Tree], Tree] = no_experts
 
   def loss(self, shared: Tree, x: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean cross-entropy of `x` over the whole vocabulary (one device, no mesh axis).
@@ -391,9 +398,7 @@ class Engine:
     x = make_varying(jnp.zeros(x_like.shape, x_like.dtype))
     entry = self.stash_entry(make_varying(self.fns.prepare(blocks)), x)
     stash = jax.tree.map(lambda v: jnp.zeros((self.num_slots,) + v.shape, v.dtype), entry)
-    # Gradients are summed in float32, whatever the weights' dtype.
-    f32 = lambda v: jnp.zeros(v.shape, jnp.float32 if jnp.issubdtype(v.dtype, jnp.floating)
-                              else v.dtype)
+    f32 = lambda v: jnp.zeros(v.shape, acc_dtype(v))
     acc = (jax.tree.map(f32, blocks), jax.tree.map(f32, shared))
     return make_varying(TickCarry(x, x, stash, (acc,) * self.plan.num_accumulators,
                                   jnp.zeros((self.plan.num_accumulators,), jnp.float32)))
