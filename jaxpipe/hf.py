@@ -79,7 +79,6 @@ _BLOCK_TENSORS = (
     ("mlp.down_proj.weight", ("mlp", "down", "kernel"), True),
 )
 
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 # GPT-2's end-of-text, and the token that ends a document for jaxpipe's byte
 # tokenizer (id 256).
@@ -373,7 +372,8 @@ def load_params(path: str, cfg_model: Any) -> dict[str, Any]:
 
 def _dtype_name(x: np.ndarray) -> str:
   name = str(x.dtype)
-  if name not in _DTYPE_NAMES:
+  from jaxpipe.model import DTYPE_NAMES  # pylint: disable=g-import-not-at-top
+  if name not in DTYPE_NAMES:
     raise InputError(f"parameters of dtype {name} cannot be written; use float32, "
                      "bfloat16 or float16")
   return name

@@ -19,7 +19,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+from jaxpipe.pipeline import SCHEDULE_NAMES as SCHEDULES
+
 COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 

@@ -65,6 +65,9 @@ from bench_common import (SCHEDULES, ModelShape, Runner, emulate_devices, memory
 from bench_report import (compile_table, draw_sweep, load, machine, memory_table, step_table,
                           sweep_table, target_table)
 from jaxpipe.cli import Parser
+from jaxpipe.config import HEAD_CHOICES
+from jaxpipe.model import REMAT_POLICIES
+from jaxpipe.pipeline import STASH_MODES
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 SWEEP_STAGES = (2, 4)
@@ -291,11 +294,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--out-md", default="", help="write the markdown report here")
   parser.add_argument("--out-png", default="", help="sweep: write the plot here")
   parser.add_argument("--out-json", default="", help="write every measurement (raw) here")
-  parser.add_argument("--remat", choices=("none", "dots", "full"), default=d.remat,
+  parser.add_argument("--remat", choices=REMAT_POLICIES, default=d.remat,
                       help=f"model.remat (default {d.remat})")
-  parser.add_argument("--stash", choices=("inputs", "residuals"), default=d.stash,
+  parser.add_argument("--stash", choices=STASH_MODES, default=d.stash,
                       help=f"pipeline.stash (default {d.stash})")
-  parser.add_argument("--head", choices=("auto", "last_stage", "vocab_parallel"), default=d.head,
+  parser.add_argument("--head", choices=HEAD_CHOICES, default=d.head,
                       help=f"pipeline.head (default {d.head})")
   parser.add_argument("--two-core", action="store_true",
                       help="real parallelism: S=2 stages on two cores against one device on one "

@@ -40,13 +40,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_report import load as _load
 from jaxpipe.cli import Parser
+from jaxpipe.pipeline import PIPELINED
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 SHAPE = ("model.dim=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2",
          "data.seq_len=64", "data.batch_size=16", "pipeline.microbatches=8",
          "pipeline.stash=residuals", "model.remat=dots", "optimizer.name=adamw",
          "eval.batches=0", "checkpoint.every=0")
-SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = PIPELINED
 # Steps before this one include the compilation and the first dispatches.
 FIRST_TIMED = 3
 

@@ -40,11 +40,11 @@ from typing import Any, Optional
 
 from jaxpipe import config as config_lib
 from jaxpipe import launch
-from jaxpipe.cli._common import Parser
+from jaxpipe.cli import Parser
 from jaxpipe.errors import ConfigError, InputError
+from jaxpipe.pipeline import SCHEDULE_NAMES, STASH_MODES
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
-STASHES = ("inputs", "residuals")
+SCHEDULES, STASHES = SCHEDULE_NAMES, STASH_MODES
 
 # Rows of the table, in order: (key, label).
 ROWS = (

@@ -16,7 +16,9 @@ _LAZY = {
     "token_flops": "_llama", "TokenFlops": "_llama",
     "num_params": "_llama", "rotary": "_llama",
     "MoE": "_moe", "capacity": "_moe",
-    "ModelConfig": "_config", "MoEConfig": "_config",
+    "ModelConfig": "_config", "MoEConfig": "_config", "DtypeName": "_config",
+    "RematPolicy": "_config", "AttentionSetting": "_config", "DTYPE_NAMES": "_config",
+    "REMAT_POLICIES": "_config", "ATTENTION_SETTINGS": "_config",
 }
 
 __all__ = sorted(_LAZY)

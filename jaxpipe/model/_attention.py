@@ -37,13 +37,13 @@ import numpy as np
 from jax import lax
 
 from jaxpipe.errors import ConfigError
-from jaxpipe.model._config import ModelConfig
+from jaxpipe.model._config import ATTENTION_SETTINGS, ModelConfig
 
 __all__ = ["SETTINGS", "BLOCK_SIZE", "AUTO_BLOCKWISE_ABOVE", "attention", "attention_backend",
            "blockwise_attention", "cached_attention", "cudnn_attention", "select_attention",
            "cudnn_failure", "resolve_attention"]
 
-SETTINGS = ("auto", "xla", "blockwise", "cudnn")
+SETTINGS = ATTENTION_SETTINGS
 
 # Query and key rows per block. The live working set of one step of the loops
 # is a few [batch, heads, 128, 128] float32 score blocks (9 MiB each at 16

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpipe.model._config import ModelConfig
+from jaxpipe.model._config import DTYPE_NAMES, ModelConfig
 from jaxpipe.model import _attention, _moe
 
 Params = Any
@@ -37,8 +37,10 @@ __all__ = ["Model", "Block", "KVCache", "make_model", "ffn_dim", "dtype_of", "nu
 
 
 def dtype_of(name: str) -> jnp.dtype:
-  """Maps a config dtype name to a JAX dtype."""
-  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+  """Maps a config dtype name (one of `DTYPE_NAMES`) to a JAX dtype."""
+  if name not in DTYPE_NAMES:
+    raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+  return jnp.dtype(name)
 
 
 def ffn_dim(cfg: ModelConfig) -> int:

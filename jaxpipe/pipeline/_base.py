@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpipe.pipeline import _vocab
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, no_experts
 from jaxpipe.pipeline._mesh import make_mesh
+from jaxpipe.pipeline._names import experts_split
 from jaxpipe.pipeline._timetable import min_microbatches
 
 Tree = Any
@@ -198,9 +199,9 @@ class Schedule:
     self.num_data = mesh.shape[DATA]
     self.num_microbatches = num_microbatches
     self.stash = stash
-    # Only the shard_map programs of the pipelined schedules exchange tokens
-    # between the replicas; `none` keeps every expert on every replica.
-    self.expert_parallel = expert_parallel and self.pipelined and self.num_data > 1
+    # Whether the model has experts at all the blocks' `expert_axes` say.
+    self.expert_parallel = experts_split(self.name if self.pipelined else "none",
+                                         self.num_data, 1, expert_parallel)
     if not self.pipelined and self.num_stages != 1:
       raise ValueError(f"schedule '{self.name}' runs without stages; got a mesh of "
                        f"{self.num_stages} stages")

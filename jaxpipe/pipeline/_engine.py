@@ -52,14 +52,14 @@ import numpy as np
 from jax import lax
 
 from jaxpipe.pipeline import _vocab
+from jaxpipe.pipeline._names import DATA, STAGE, STASH_MODES
 from jaxpipe.pipeline._timetable import StepPlan, TickKind
 
 Tree = Any
 
-__all__ = ["StageFns", "TickCarry", "Engine", "STASH_CHOICES", "PHASE", "make_varying",
+__all__ = ["StageFns", "TickCarry", "Engine", "PHASE", "make_varying",
            "varying_axes", "residual_shapes", "expert_exchange", "no_experts", "acc_dtype"]
 
-STAGE, DATA = "stage", "data"
 AXES = (STAGE, DATA)
 # The phases of a tick, each traced under its own `jax.named_scope`, so that a
 # profile (XLA's CPU trace, Nsight Systems, XProf) names the work of every
@@ -67,7 +67,6 @@ AXES = (STAGE, DATA)
 # once-per-step gradient reduction and the optimizer update.
 PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "embed_grad", "send",
                                     "grad_reduce", "optimizer")}
-STASH_CHOICES = ("inputs", "residuals")
 # Plan arrays with one entry per (tick, stage), fed to the tick loops.
 _ROWS = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot")
 
@@ -337,8 +336,8 @@ class Engine:
         'stage' axis has one device (the planner's cost of one stage's tick:
         the stage's position is a constant, sends are dropped).
     """
-    if stash not in STASH_CHOICES:
-      raise ValueError(f"stash must be one of {STASH_CHOICES}, got {stash!r}")
+    if stash not in STASH_MODES:
+      raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
     last = plan.num_stages - 1
     if not plan.head_stash and not np.all((plan.bwd[:, last] < 0) | (plan.fwd[:, last] >= 0)):
       raise ValueError(f"{plan.schedule}: the last stage's backwards must share a tick with "

@@ -38,10 +38,11 @@ from jaxpipe.pipeline._base import (  # pylint: disable=unused-import
     InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, local_block, per_device,
     pick_version, make_mesh, merge_params, split_params)
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry, acc_dtype
-from jaxpipe.pipeline._timetable import SCHEDULE_NAMES, step_plan
+from jaxpipe.pipeline._names import SCHEDULE_NAMES
+from jaxpipe.pipeline._timetable import step_plan
 
 __all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight",
-           "make_schedule", "make_mesh", "split_params", "merge_params", "SCHEDULE_NAMES"]
+           "make_schedule", "make_mesh", "split_params", "merge_params"]
 
 
 def _full_loss(fns: StageFns):
