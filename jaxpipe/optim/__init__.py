@@ -7,7 +7,8 @@ pipelines, so other JAX projects can use it on its own.
 
 - `muon`, `adamw`, `lion`, `adan`, `sgd`: optimizers with one grouping
   convention (`param_labels`, `weight_decay_mask`): Muon on hidden matrices
-  (stacked ones included), AdamW elsewhere, no decay on norms and biases.
+  (stacked ones included), AdamW elsewhere, no decay on norms and biases;
+  `scale_by_muon` is Muon's direction and scale alone.
 - `mars`, `normuon`: MARS-AdamW (variance-reduced gradients) and NorMuon
   (Muon with a per-neuron second moment); `muon(ns_coeffs="polar_express")`
   takes Polar Express's per-step Newton-Schulz coefficients.
@@ -49,6 +50,7 @@ from jaxpipe.optim._optimizers import lion
 from jaxpipe.optim._optimizers import muon
 from jaxpipe.optim._optimizers import NS_COEFFS
 from jaxpipe.optim._optimizers import POLAR_EXPRESS_COEFFS
+from jaxpipe.optim._optimizers import scale_by_muon
 from jaxpipe.optim._optimizers import sgd
 from jaxpipe.optim._prediction import predicted_params
 from jaxpipe.optim._prediction import PredictionState
@@ -91,6 +93,7 @@ __all__ = [
     "predicted_params",
     "scale_by_adan",
     "scale_by_mars",
+    "scale_by_muon",
     "scale_by_neuron_rms",
     "scale_by_soap",
     "sgd",

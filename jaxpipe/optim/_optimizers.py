@@ -23,7 +23,7 @@ from optax.contrib import MuonDimensionNumbers
 from jaxpipe.optim import _grouping
 
 __all__ = [
-    "NS_COEFFS", "POLAR_EXPRESS_COEFFS", "adamw", "lion", "muon", "sgd",
+    "NS_COEFFS", "POLAR_EXPRESS_COEFFS", "adamw", "lion", "muon", "scale_by_muon", "sgd",
 ]
 
 # Quintic Newton-Schulz coefficients of Jordan's Muon: they maximise the slope
@@ -368,8 +368,7 @@ def muon(
     mu_dtype: Any | None = None,
     param_labels: Any | None = None,
     weight_decay_mask: Mask | None = None,
-    dimension_numbers: (
-        MuonDimensionNumbers | Callable[[Any], Any] | None) = None,
+    dimension_numbers: MuonDimensionNumbers | Callable[[Any], Any] | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon for hidden matrices, AdamW for embeddings, head, norms and biases.
 
@@ -382,22 +381,13 @@ def muon(
     W[t+1] = W[t] - \eta\,(0.2 \sqrt{\max(m, n)}\; O[t] + \lambda W[t]),
 
   where hats are optax's bias corrections, NS_5 is five quintic Newton-Schulz
-  steps with coefficients (3.4445, -4.7750, 2.0315) on the Frobenius-normalised
-  matrix (singular values end in roughly [0.7, 1.2], not exactly 1: the
-  coefficients trade exactness for speed; `ns_coeffs="polar_express"` takes
-  a different quintic per step instead, Amsel et al. 2025, whose 5 steps end
-  much closer to 1), m x n is the matrix shape, eta the
-  learning rate and lambda the decoupled weight decay. All other leaves take
+  steps (`scale_by_muon`: the direction and its scale), m x n is the matrix
+  shape, eta the learning rate and lambda the decoupled weight decay. All other leaves take
   AdamW, `W -= eta_adam (m_hat / (sqrt(v_hat) + eps) + lambda W)`, without
   decay on norms and biases.
 
-  Update scale (a choice): `consistent_rms=0.2` multiplies the orthogonalised
-  update by `0.2 * sqrt(max(m, n))`, which gives it an RMS of about 0.2, close
-  to AdamW's (Liu et al. 2025). So one learning rate and one weight decay serve
-  both groups: `adam_learning_rate` defaults to `learning_rate`, and rates
-  tuned for AdamW carry over. `consistent_rms=None` selects Jordan's scale
-  `sqrt(max(1, n / m))` instead, under which Muon wants a rate near 0.02 and
-  AdamW a separate one near 3e-3.
+  Update scale (a choice, `scale_by_muon`): the default RMS of about 0.2 lets
+  one learning rate and one weight decay serve both groups.
 
   Which leaves are hidden matrices: `param_labels` (default
   `jaxpipe.optim.param_labels`, a rule on paths and shapes). Stacked weights
@@ -423,11 +413,7 @@ def muon(
     momentum: Muon's momentum beta.
     nesterov: Nesterov momentum for Muon.
     ns_steps: Newton-Schulz iterations.
-    ns_coeffs: `"jordan"` (`NS_COEFFS` at every step), `"polar_express"`
-      (`POLAR_EXPRESS_COEFFS`, one row per step, with the paper's 1.01
-      normalisation folded into the first), one (a, b, c) for every step, or
-      a sequence of them, one per step (the last repeats if `ns_steps` is
-      larger; extra rows are ignored).
+    ns_coeffs: the Newton-Schulz coefficients (see `scale_by_muon`).
     weight_decay: decoupled decay lambda, multiplied by each group's rate.
     b1: AdamW's first-moment decay.
     b2: AdamW's second-moment decay.
@@ -468,18 +454,73 @@ def muon(
     Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_,
     2025
   """
-  dims_fn = dims_fn_of(dimension_numbers)
-  matrix = optax.chain(
-      orthogonalised_momentum(
-          dims_fn, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-          ns_coeffs=ns_coeffs, eps=eps, mu_dtype=mu_dtype),
-      scale_by_shape(dims_fn, consistent_rms),
-  )
+  matrix = scale_by_muon(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                         ns_coeffs=ns_coeffs, eps=eps, consistent_rms=consistent_rms,
+                         mu_dtype=mu_dtype, dimension_numbers=dimension_numbers)
   return with_adamw(
       matrix, checked_labels(param_labels), main_label="muon",
       learning_rate=learning_rate, adam_learning_rate=adam_learning_rate,
       b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype, weight_decay=weight_decay,
       weight_decay_mask=weight_decay_mask)
+
+
+def scale_by_muon(
+    *,
+    momentum: float | jax.Array = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coeffs: str | Sequence[Any] = "jordan",
+    eps: float | jax.Array = 1e-8,
+    consistent_rms: float | jax.Array | None = 0.2,
+    mu_dtype: Any | None = None,
+    dimension_numbers: (
+        MuonDimensionNumbers | Callable[[Any], Any] | None) = None,
+) -> optax.GradientTransformation:
+  r"""Muon's direction and its scale for hidden matrices: `muon` without its AdamW group.
+
+  .. math::
+    O[t] = s(m, n)\;\mathrm{NS}_5(eta \hat M[t] + (1-eta) \hat G[t])
+
+  (Nesterov; `nesterov=False` orthogonalises the bias-corrected momentum
+  itself), each matrix of a stack on its own. NS_5 is five quintic
+  Newton-Schulz steps with coefficients (3.4445, -4.7750, 2.0315) on the
+  Frobenius-normalised matrix (singular values end in roughly [0.7, 1.2], not
+  exactly 1: the coefficients trade exactness for speed;
+  `ns_coeffs="polar_express"` takes a different quintic per step instead,
+  Amsel et al. 2025, whose 5 steps end much closer to 1).
+
+  Update scale s(m, n) (a choice): `consistent_rms=0.2` multiplies the
+  orthogonalised update by `0.2 * sqrt(max(m, n))`, which gives it an RMS of
+  about 0.2, close to AdamW's (Liu et al. 2025). So one learning rate and one
+  weight decay serve both groups: `adam_learning_rate` defaults to
+  `learning_rate`, and rates tuned for AdamW carry over. `consistent_rms=None`
+  selects Jordan's scale `sqrt(max(1, n / m))` instead, under which Muon wants
+  a rate near 0.02 and AdamW a separate one near 3e-3.
+
+  Args:
+    momentum: the momentum beta.
+    nesterov: Nesterov momentum.
+    ns_steps: Newton-Schulz iterations.
+    ns_coeffs: `"jordan"` (`NS_COEFFS` at every step), `"polar_express"`
+      (`POLAR_EXPRESS_COEFFS`, one row per step, with the paper's 1.01
+      normalisation folded into the first), one (a, b, c) for every step, or
+      a sequence of them, one per step (the last repeats if `ns_steps` is
+      larger; extra rows are ignored).
+    eps: guards the normalisation.
+    consistent_rms: target RMS of the update, or None for Jordan's scale.
+    mu_dtype: dtype of the momentum.
+    dimension_numbers: as `muon`'s.
+
+  Returns:
+    An `optax.GradientTransformation` (no learning rate, no decay).
+  """
+  dims_fn = dims_fn_of(dimension_numbers)
+  return optax.chain(
+      orthogonalised_momentum(
+          dims_fn, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+          ns_coeffs=ns_coeffs, eps=eps, mu_dtype=mu_dtype),
+      scale_by_shape(dims_fn, consistent_rms),
+  )
 
 
 def adamw(
