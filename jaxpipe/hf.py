@@ -427,12 +427,13 @@ def _tokenizer_files(out_dir: str, spec: Any, vocab_size: int,
   import tokenizers  # pylint: disable=g-import-not-at-top
   from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
 
-  from jaxpipe.data import get_tokenizer  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jaxpipe.data import BUILTIN_TOKENIZERS, get_tokenizer
   ours = get_tokenizer(name)  # raises DataError (an InputError) for a missing file
   if ours.vocab_size > vocab_size:
     raise InputError(f"tokenizer {name} has {ours.vocab_size} ids, more than the model's "
                      f"vocabulary of {vocab_size}; export with the run's own tokenizer")
-  if name in ("byte", "gpt2"):
+  if name in BUILTIN_TOKENIZERS:
     if name == "gpt2":
       # GPT-2's own files, which jaxpipe's offline GPT-2 tokenizer reads too.
       import importlib.util  # pylint: disable=g-import-not-at-top
