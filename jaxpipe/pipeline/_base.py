@@ -199,7 +199,8 @@ class Schedule:
     self.num_data = mesh.shape[DATA]
     self.num_microbatches = num_microbatches
     self.stash = stash
-    # Whether the model has experts at all the blocks' `expert_axes` say.
+    # One expert stands for "any": whether the model has experts at all is for
+    # the blocks' `expert_axes` to say (None on every leaf of a dense model).
     self.expert_parallel = experts_split(self.name if self.pipelined else "none",
                                          self.num_data, 1, expert_parallel)
     if not self.pipelined and self.num_stages != 1:
