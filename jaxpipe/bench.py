@@ -149,11 +149,11 @@ class Row:
 def _resolved(model_cfg: Any, rows: int, seq: int) -> tuple[Any, str, Optional[str]]:
   """(model config as it runs here, the attention implementation, a fallback note or None)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxpipe.model import _attention  # pylint: disable=g-import-not-at-top
-  cfg, note = _attention.resolve_attention(model_cfg, rows, seq)
-  impl = _attention.select(cfg.attention, backend=_attention.backend(),
-                           dtype=jnp.dtype(cfg.compute_dtype), seq_len=seq,
-                           head_dim=cfg.dim // cfg.n_heads)
+  from jaxpipe import model  # pylint: disable=g-import-not-at-top
+  cfg, note = model.resolve_attention(model_cfg, rows, seq)
+  impl = model.select_attention(cfg.attention, backend=model.attention_backend(),
+                                dtype=jnp.dtype(cfg.compute_dtype), seq_len=seq,
+                                head_dim=cfg.dim // cfg.n_heads)
   return cfg, impl, note
 
 

@@ -113,11 +113,12 @@ def _replicated_like(leaves: Any) -> jax.sharding.Sharding:
   return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_dict(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{'a': {'b': x}} -> {'a.b': x}: nested mappings as one level of dotted keys."""
   out = {}
   for key, value in tree.items():
     if isinstance(value, Mapping):
-      out.update(_flatten(value, f"{prefix}{key}."))
+      out.update(flatten_dict(value, f"{prefix}{key}."))
     else:
       out[f"{prefix}{key}"] = value
   return out
@@ -131,8 +132,8 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
   its default value.
   """
   from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
-  defaults = _flatten(config_lib.to_dict(config_lib.Config()))
-  a, b = {**defaults, **_flatten(saved)}, _flatten(current)
+  defaults = flatten_dict(config_lib.to_dict(config_lib.Config()))
+  a, b = {**defaults, **flatten_dict(saved)}, flatten_dict(current)
   diffs = []
   for key in sorted(set(a) | set(b)):
     if key in allowed:

@@ -20,26 +20,42 @@ import textwrap
 import tokenize
 import types
 import typing
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
 from jaxpipe.errors import ConfigError
-# The model owns its section; this module composes the sections.
-from jaxpipe.model._config import ModelConfig, MoEConfig
+# The model owns its section and its choices; this module composes the sections.
+from jaxpipe.model import ATTENTION_SETTINGS, DTYPE_NAMES, REMAT_POLICIES, ModelConfig, MoEConfig
+# The pipeline's choices and rules, read without JAX (its plans are plain Python).
+from jaxpipe.pipeline import (LAYOUTS, SCHEDULE_NAMES, STASH_MODES, Layout, ScheduleName,
+                              StashMode, experts_split, min_microbatches)
 
 __all__ = [
     "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",
     "MeshConfig", "OptimizerConfig", "CheckpointConfig", "EvalConfig",
-    "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict",
-    "apply_overrides", "validate", "profile_window", "kill_point", "KILL_MOMENTS",
+    "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict", "experts_split",
+    "OPTIMIZERS", "LR_SCHEDULES", "NAN_POLICIES", "ADAN_FORMS", "NS_PRESETS", "apply_overrides",
+    "validate", "profile_window", "kill_point", "KILL_MOMENTS",
     "field_notes", "describe", "MESH_LAYOUTS", "device_ids", "vocab_parallel", "HEAD_CHOICES",
 ]
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved")
-MESH_LAYOUTS = ("stage", "data")
-OPTIMIZERS = ("adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap")
-LR_SCHEDULES = ("constant", "cosine", "wsd")
+# The config's own choices; the pipeline's and the model's are theirs, imported above.
+Head = Literal["auto", "vocab_parallel", "last_stage"]
+OptimizerName = Literal["adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap"]
+LrSchedule = Literal["constant", "cosine", "wsd"]
+NanPolicy = Literal["skip", "stop"]
+AdanForm = Literal["paper", "optax"]
+NsCoeffs = Literal["jordan", "polar_express"]
+
+SCHEDULES = SCHEDULE_NAMES
+MESH_LAYOUTS = LAYOUTS
+HEAD_CHOICES: tuple[str, ...] = typing.get_args(Head)
+OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
+LR_SCHEDULES: tuple[str, ...] = typing.get_args(LrSchedule)
+NAN_POLICIES: tuple[str, ...] = typing.get_args(NanPolicy)
+ADAN_FORMS: tuple[str, ...] = typing.get_args(AdanForm)
+NS_PRESETS: tuple[str, ...] = typing.get_args(NsCoeffs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +65,7 @@ class RunConfig:
   seed: int = 0                  # parameter init and data order
   log_every: int = 1             # steps between progress updates (bar refreshes, or lines)
   progress: bool = True          # progress on stderr: a bar on a terminal, else a line every log_every steps
-  nan_policy: str = "skip"       # non-finite loss/grad: skip the update, or stop
+  nan_policy: NanPolicy = "skip" # non-finite loss/grad: skip the update, or stop
   debug_nan_step: int = -1       # fault injection: make batch k's loss NaN (-1 = never)
   peak_tflops: float = 0.0       # per-device peak for MFU; 0 = known accelerators' bf16 peak
   profile: str = ""              # START:STOP = a jax.profiler trace of those steps in run.dir/profile
@@ -72,7 +88,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-  schedule: str = "none"         # none | gpipe | 1f1b | 2bw | pipedream | interleaved
+  schedule: ScheduleName = "none"  # which pipeline schedule runs a step
   stages: int = 1                # S: devices along the `stage` mesh axis
   # M: microbatches per step. GPipe, 1F1B and pipedream idle (S-1)/(M+S-1)
   # of a step; 2bw idles only in the very first step and needs M >= 2(S-1);
@@ -88,7 +104,7 @@ class PipelineConfig:
   # backward recomputes the stage's forward: 4 units of work per microbatch
   # where 3 suffice) or `residuals` (what jax.vjp saves, as model.remat
   # decides: no recomputation, more memory per stash slot).
-  stash: str = "inputs"
+  stash: StashMode = "inputs"
   # Where the embedding and the output layer live in a pipelined schedule:
   # `vocab_parallel` (split over the stages by vocabulary: every stage does
   # 1/S of each lookup and head; per tick, the last block's output is sent to
@@ -98,7 +114,7 @@ class PipelineConfig:
   # nothing exchanged per tick; the last stage does the head's work on top of
   # its blocks), or `auto`: last_stage when the head costs at most
   # HEAD_ON_LAST_STAGE (5%) of a stage's block work, else vocab_parallel.
-  head: str = "auto"
+  head: Head = "auto"
 
 
 # `pipeline.head=auto` keeps the output layer on the last stage while it
@@ -106,7 +122,6 @@ class PipelineConfig:
 # imbalance costs less than the vocabulary split's collectives
 # (docs/benchmark.md).
 HEAD_ON_LAST_STAGE = 0.05
-HEAD_CHOICES = ("auto", "vocab_parallel", "last_stage")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +134,12 @@ class MeshConfig:
   # Which axis spans nodes when the devices are on several: stage (stages
   # across nodes, each node's data all-reduce inside it; only activations
   # cross nodes) or data (replicas across nodes, the pipeline inside a node).
-  layout: str = "stage"
+  layout: Layout = "stage"
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  name: str = "adamw"            # adamw | muon | lion | adan | sgd | mars | normuon | soap
+  name: OptimizerName = "adamw"  # muon, normuon and mars keep an AdamW group
   lr: float = 3e-3               # peak learning rate (Muon: of the hidden matrices)
   adam_lr: float = 0.0           # muon, normuon, mars: rate of their AdamW group; 0 = lr
   weight_decay: float = 0.1      # decoupled; never applied to norms and biases
@@ -134,7 +149,7 @@ class OptimizerConfig:
   momentum: float = 0.95         # Muon momentum
   nesterov: bool = True          # Muon Nesterov momentum
   ns_steps: int = 5              # Muon Newton-Schulz iterations
-  ns_coeffs: str = "jordan"      # Newton-Schulz quintics: jordan | polar_express (one per step)
+  ns_coeffs: NsCoeffs = "jordan" # Newton-Schulz quintics (polar_express: one per step)
   normuon_b2: float = 0.95       # NorMuon: decay of the per-output-neuron second moment
   mars_gamma: float = 0.025      # MARS: c = g + gamma * b1/(1-b1) * (g - g_prev)
   mars_b1: float = 0.95          # MARS moments on matrices; b1, b2: its AdamW on norms
@@ -144,11 +159,11 @@ class OptimizerConfig:
   adan_b1: float = 0.98          # Adan, optax's convention: b = 1 - the Adan paper's beta;
   adan_b2: float = 0.92          #   the paper's defaults (0.02, 0.08, 0.01)
   adan_b3: float = 0.99
-  adan_form: str = "paper"       # paper (the Adan paper's update) | optax (optax.adan: difference weighted 1 - b2)
+  adan_form: AdanForm = "paper"  # paper (the Adan paper's update) | optax (optax.adan: difference weighted 1 - b2)
   precondition_frequency: int = 10  # SOAP: steps between eigenbasis refreshes (paper: 10)
   shampoo_beta: float = 0.95     # SOAP: decay of its factors L, R (paper: = b2, 0.95)
   max_precond_dim: int = 10000   # SOAP: a matrix side longer than this is not rotated (paper: 10000)
-  schedule: str = "cosine"       # constant | cosine | wsd (warmup-stable-decay)
+  schedule: LrSchedule = "cosine"  # learning rate; wsd = warmup-stable-decay
   warmup_steps: int = 0
   min_lr_ratio: float = 0.1      # final lr of cosine / wsd as a fraction of lr
   decay_fraction: float = 0.2    # wsd: share of the steps spent decaying
@@ -247,13 +262,16 @@ def describe(cls: type | None = None, prefix: str = "") -> list[str]:
   """
   cls = Config if cls is None else cls
   out, sections = [], []
-  notes = field_notes(cls)
+  notes, hints = field_notes(cls), typing.get_type_hints(cls)
   for f in dataclasses.fields(cls):
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if dataclasses.is_dataclass(default):
       sections.append((type(default), f"{prefix}{f.name}"))
       continue
     text = json.dumps(default)
+    choices = _choices(hints.get(f.name))
+    if choices:
+      text += f" (one of {' | '.join(choices)})"
     note = f"  # {notes[f.name]}" if notes.get(f.name) else ""
     out.append(f"  {f.name}: {text}{note}")
   if out:
@@ -261,6 +279,11 @@ def describe(cls: type | None = None, prefix: str = "") -> list[str]:
   for sub, name in sections:
     out += describe(sub, name + ".")
   return out
+
+
+def _choices(typ: Any) -> tuple[str, ...]:
+  """The values of a `Literal` annotation; () for any other type."""
+  return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
 
 
 def _describe(value: Any) -> str:
@@ -291,7 +314,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
     raise ConfigError(f"{key}: expected a number, got {_describe(value)}")
-  if typ is str:
+  if typ is str or _choices(typ):
+    # Which value of a choice is `validate`'s to say, naming the choices.
     if isinstance(value, str):
       return value
     raise ConfigError(f"{key}: expected a string, got {_describe(value)} (quote it in YAML: "
@@ -455,18 +479,14 @@ def profile_window(spec: str) -> tuple[int, int] | None:
   return start, stop
 
 
+def _or(choices: Sequence[str]) -> str:
+  """'a, b or c': choices as an error message lists them."""
+  return ", ".join(choices[:-1]) + " or " + choices[-1]
+
+
 def _check(cond: bool, message: str) -> None:
   if not cond:
     raise ConfigError(message)
-
-
-def experts_split(schedule: str, data: int, num_experts: int, expert_parallel: bool) -> bool:
-  """Whether a run splits its experts over the data replicas (expert parallelism).
-
-  The rule `Schedule` applies: a pipelined schedule (a `shard_map` program),
-  D > 1 replicas, an MoE model and `mesh.expert_parallel`.
-  """
-  return bool(expert_parallel and num_experts and data > 1 and schedule != "none")
 
 
 def vocab_parallel(model: ModelConfig, pipeline: PipelineConfig) -> bool:
@@ -489,13 +509,31 @@ def vocab_parallel(model: ModelConfig, pipeline: PipelineConfig) -> bool:
 
 def validate(cfg: Config) -> None:
   """Checks values and the arithmetic between sections; raises ConfigError."""
-  r, d, m, p, o = cfg.run, cfg.data, cfg.model, cfg.pipeline, cfg.optimizer
+  _validate_run_and_data(cfg)
+  _validate_model(cfg.model)
+  _validate_pipeline(cfg)
+  _validate_optimizer(cfg.optimizer)
+  _validate_checkpoint_eval_dist(cfg)
+
+
+def _validate_run_and_data(cfg: Config) -> None:
+  """run.*, data.* and the dist keys read at start-up."""
+  r, d = cfg.run, cfg.data
   _check(r.steps >= 1, f"run.steps must be >= 1, got {r.steps}")
   _check(r.log_every >= 1, f"run.log_every must be >= 1, got {r.log_every}")
-  _check(r.nan_policy in ("skip", "stop"), f"run.nan_policy must be skip or stop, got '{r.nan_policy}'")
+  _check(r.nan_policy in NAN_POLICIES,
+         f"run.nan_policy must be {' or '.join(NAN_POLICIES)}, got '{r.nan_policy}'")
   _check(bool(r.dir), "run.dir must not be empty")
   _check(d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}")
   _check(d.seq_len >= 2, f"data.seq_len must be >= 2, got {d.seq_len}")
+  _check(r.peak_tflops >= 0, f"run.peak_tflops must be >= 0, got {r.peak_tflops}")
+  profile_window(r.profile)
+  kill_point(r.debug_kill)
+  device_ids(cfg.dist.local_device_ids)
+
+
+def _validate_model(m: ModelConfig) -> None:
+  """model.*: sizes, head arithmetic, choices, the MoE part."""
   for key in ("dim", "n_layers", "n_heads", "n_kv_heads"):
     _check(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
   _check(m.dim % m.n_heads == 0,
@@ -504,28 +542,30 @@ def validate(cfg: Config) -> None:
          f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
   _check(m.n_heads % m.n_kv_heads == 0,
          f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-  _check(m.remat in ("none", "full", "dots"), f"model.remat must be none, full or dots; got '{m.remat}'")
-  _check(m.attention in ("auto", "xla", "blockwise", "cudnn"),
-         f"model.attention must be auto, xla, blockwise or cudnn; got '{m.attention}'")
+  _check(m.remat in REMAT_POLICIES,
+         f"model.remat must be {_or(REMAT_POLICIES)}; got '{m.remat}'")
+  _check(m.attention in ATTENTION_SETTINGS,
+         f"model.attention must be {_or(ATTENTION_SETTINGS)}; got '{m.attention}'")
   _check(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0 = no chunking), got {m.loss_chunk}")
-  _check(r.peak_tflops >= 0, f"run.peak_tflops must be >= 0, got {r.peak_tflops}")
-  profile_window(r.profile)
-  kill_point(r.debug_kill)
-  _check(cfg.mesh.layout in MESH_LAYOUTS,
-         f"mesh.layout must be {' or '.join(MESH_LAYOUTS)}, got '{cfg.mesh.layout}'")
-  device_ids(cfg.dist.local_device_ids)
   for key in ("param_dtype", "compute_dtype"):
-    _check(getattr(m, key) in ("float32", "bfloat16", "float16"),
-           f"model.{key} must be float32, bfloat16 or float16, got '{getattr(m, key)}'")
+    _check(getattr(m, key) in DTYPE_NAMES,
+           f"model.{key} must be {_or(DTYPE_NAMES)}, got '{getattr(m, key)}'")
   if m.moe.num_experts:
     _check(1 <= m.moe.top_k <= m.moe.num_experts,
            f"model.moe.top_k={m.moe.top_k} must be between 1 and model.moe.num_experts={m.moe.num_experts}")
     _check(m.moe.capacity_factor > 0, "model.moe.capacity_factor must be > 0")
+
+
+def _validate_pipeline(cfg: Config) -> None:
+  """pipeline.* and mesh.*, and how they divide the layers, the batch and the experts."""
+  d, m, p, o = cfg.data, cfg.model, cfg.pipeline, cfg.optimizer
+  _check(cfg.mesh.layout in MESH_LAYOUTS,
+         f"mesh.layout must be {' or '.join(MESH_LAYOUTS)}, got '{cfg.mesh.layout}'")
   _check(p.schedule in SCHEDULES,
          f"pipeline.schedule must be one of {', '.join(SCHEDULES)}; got '{p.schedule}'")
   _check(p.stages >= 1, f"pipeline.stages must be >= 1, got {p.stages}")
-  _check(p.stash in ("inputs", "residuals"),
-         f"pipeline.stash must be inputs or residuals, got '{p.stash}'")
+  _check(p.stash in STASH_MODES,
+         f"pipeline.stash must be {' or '.join(STASH_MODES)}, got '{p.stash}'")
   _check(p.head in HEAD_CHOICES,
          f"pipeline.head must be one of {', '.join(HEAD_CHOICES)}, got '{p.head}'")
   _check(p.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {p.microbatches}")
@@ -563,9 +603,10 @@ def validate(cfg: Config) -> None:
            f"for schedule interleaved only, not {p.schedule}; set pipeline.schedule=interleaved "
            "or pipeline.virtual_stages=1")
   if p.schedule == "2bw" and p.stages > 1:
-    _check(p.microbatches >= 2 * (p.stages - 1),
+    fewest = min_microbatches(p.schedule, p.stages)
+    _check(p.microbatches >= fewest,
            f"pipeline.microbatches={p.microbatches} is too few for 2bw with {p.stages} stages; "
-           f"it needs at least 2*(stages-1) = {2 * (p.stages - 1)}")
+           f"it needs at least 2*(stages-1) = {fewest}")
   _check(d.batch_size % p.microbatches == 0,
          f"data.batch_size={d.batch_size} is not divisible by pipeline.microbatches={p.microbatches}")
   micro = d.batch_size // p.microbatches
@@ -577,6 +618,10 @@ def validate(cfg: Config) -> None:
            f"model.moe.num_experts={m.moe.num_experts} is not divisible by mesh.data="
            f"{cfg.mesh.data}: expert parallelism gives each replica an equal share; choose "
            "another mesh.data or set mesh.expert_parallel=false")
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
+  """optimizer.*: choices, rates, decays and the correction knobs."""
   _check(o.name in OPTIMIZERS, f"optimizer.name must be one of {', '.join(OPTIMIZERS)}; got '{o.name}'")
   _check(o.schedule in LR_SCHEDULES,
          f"optimizer.schedule must be one of {', '.join(LR_SCHEDULES)}; got '{o.schedule}'")
@@ -585,20 +630,20 @@ def validate(cfg: Config) -> None:
   _check(o.error_feedback >= 0, f"optimizer.error_feedback must be >= 0, got {o.error_feedback}")
   _check(o.weight_prediction >= 0,
          f"optimizer.weight_prediction must be >= 0, got {o.weight_prediction}")
-  _check(o.adan_form in ("paper", "optax"),
-         f"optimizer.adan_form must be paper or optax; got '{o.adan_form}'")
+  _check(o.adan_form in ADAN_FORMS,
+         f"optimizer.adan_form must be {' or '.join(ADAN_FORMS)}; got '{o.adan_form}'")
   for key in ("lion_b1", "lion_b2", "adan_b1", "adan_b2", "adan_b3"):
     _check(0.0 <= getattr(o, key) < 1.0, f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
-  _check(o.ef_dtype in ("", "float32", "bfloat16", "float16"),
-         f"optimizer.ef_dtype must be empty, float32, bfloat16 or float16; got '{o.ef_dtype}'")
+  _check(o.ef_dtype in ("", *DTYPE_NAMES),
+         f"optimizer.ef_dtype must be empty, {_or(DTYPE_NAMES)}; got '{o.ef_dtype}'")
   _check(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
   _check(0.0 <= o.decay_fraction <= 1.0, f"optimizer.decay_fraction must be in [0, 1], got {o.decay_fraction}")
   _check(o.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
   _check(o.clip_norm >= 0, f"optimizer.clip_norm must be >= 0, got {o.clip_norm}")
   # A negative decoupled decay grows the weights every step instead of shrinking them.
   _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
-  _check(o.ns_coeffs in ("jordan", "polar_express"),
-         f"optimizer.ns_coeffs must be jordan or polar_express; got '{o.ns_coeffs}'")
+  _check(o.ns_coeffs in NS_PRESETS,
+         f"optimizer.ns_coeffs must be {' or '.join(NS_PRESETS)}; got '{o.ns_coeffs}'")
   for key in ("normuon_b2", "mars_b1", "mars_b2"):
     _check(0.0 <= getattr(o, key) < 1.0, f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
   _check(o.mars_gamma >= 0, f"optimizer.mars_gamma must be >= 0, got {o.mars_gamma}")
@@ -606,6 +651,10 @@ def validate(cfg: Config) -> None:
          f"optimizer.precondition_frequency must be >= 1, got {o.precondition_frequency}")
   _check(0.0 <= o.shampoo_beta < 1.0, f"optimizer.shampoo_beta must be in [0, 1), got {o.shampoo_beta}")
   _check(o.max_precond_dim >= 0, f"optimizer.max_precond_dim must be >= 0, got {o.max_precond_dim}")
+
+
+def _validate_checkpoint_eval_dist(cfg: Config) -> None:
+  """checkpoint.*, eval.* and the dist.* process counts and timeouts."""
   _check(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
   _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
   _check(cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}")

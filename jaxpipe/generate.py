@@ -20,7 +20,7 @@ How a batch of prompts is decoded (`decode`):
      prompt is overwritten by that row's token before any query can see it.
      The loop ends when every row has its tokens or has emitted eos_id.
 
-The blocks are the model's own (`_llama.Block` called with positions and a
+The blocks are the model's own (`jaxpipe.model.Block` called with positions and a
 `KVCache`): the same projections, rotary embedding, norms and MLP as the
 training forward, so the cached logits equal the training `logits` of the
 whole sequence to float32 rounding. Only the attention differs in how it is
@@ -65,7 +65,7 @@ from jax import lax
 
 from jaxpipe.config import ModelConfig
 from jaxpipe.errors import InputError
-from jaxpipe.model import _llama
+from jaxpipe import model as model_lib
 
 __all__ = ["MIN_BUCKET", "Sampling", "Decoded", "generate", "decode", "sample", "filter_logits",
            "dropless", "bucket"]
@@ -190,10 +190,10 @@ def _decode(params, tokens, lengths, budgets, key, temperature, top_k, top_p, eo
   tokens [b, P] right-padded prompts of `lengths` [b]; budgets [b] is the
   most tokens each row may add (<= steps); eos_id -1 means none.
   """
-  model, block = _llama.build(cfg), _llama.Block(cfg)
+  model, block = model_lib.make_model(cfg), model_lib.Block(cfg)
   b, p = tokens.shape
   shape = (cfg.n_layers, b, slots, cfg.n_kv_heads, cfg.dim // cfg.n_heads)
-  empty = jnp.zeros(shape, _llama.dtype_of(cfg.compute_dtype))
+  empty = jnp.zeros(shape, model_lib.dtype_of(cfg.compute_dtype))
 
   def forward(cache, ids, positions):
     def layer(x, blk):
@@ -201,7 +201,7 @@ def _decode(params, tokens, lengths, budgets, key, temperature, top_k, top_p, eo
       return x, c
     return lax.scan(layer, model.embed(params, ids), (params["blocks"], cache))
 
-  x, cache = forward(_llama.KVCache(empty, empty), tokens,
+  x, cache = forward(model_lib.KVCache(empty, empty), tokens,
                      jnp.broadcast_to(jnp.arange(p), (b, p)))
   last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [b, 1, dim]
   logits = model.logits(params, last)[:, 0]

@@ -79,7 +79,6 @@ _BLOCK_TENSORS = (
     ("mlp.down_proj.weight", ("mlp", "down", "kernel"), True),
 )
 
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 # GPT-2's end-of-text, and the token that ends a document for jaxpipe's byte
 # tokenizer (id 256).
@@ -318,7 +317,7 @@ def _opened(file: str, safe_open):
 def load_params(path: str, cfg_model: Any) -> dict[str, Any]:
   """The jaxpipe parameters of a Hugging Face Llama checkpoint, for a config of its shape.
 
-  Returns the tree `jaxpipe.model.build(cfg_model).init` makes ('blocks'
+  Returns the tree `jaxpipe.model.make_model(cfg_model).init` makes ('blocks'
   stacked on a leading layer axis, 'head/out' absent when tied), as numpy
   arrays in model.param_dtype. The checkpoint's weights may be in any
   floating dtype (bfloat16 checkpoints are read exactly).
@@ -373,7 +372,8 @@ def load_params(path: str, cfg_model: Any) -> dict[str, Any]:
 
 def _dtype_name(x: np.ndarray) -> str:
   name = str(x.dtype)
-  if name not in _DTYPE_NAMES:
+  from jaxpipe.model import DTYPE_NAMES  # pylint: disable=g-import-not-at-top
+  if name not in DTYPE_NAMES:
     raise InputError(f"parameters of dtype {name} cannot be written; use float32, "
                      "bfloat16 or float16")
   return name
@@ -384,7 +384,7 @@ def _unpad_and_check(cfg_model: Any, params: Mapping[str, Any]) -> dict[str, Any
   import jax  # pylint: disable=g-import-not-at-top
 
   from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
-  model = model_lib.build(cfg_model)
+  model = model_lib.make_model(cfg_model)
   want = jax.eval_shape(model.init, jax.random.key(0))
   host = jax.tree.map(np.asarray, jax.device_get(dict(params)))
   if jax.tree.structure(host) != jax.tree.structure(want):
@@ -427,12 +427,13 @@ def _tokenizer_files(out_dir: str, spec: Any, vocab_size: int,
   import tokenizers  # pylint: disable=g-import-not-at-top
   from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
 
-  from jaxpipe.data import get_tokenizer  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jaxpipe.data import BUILTIN_TOKENIZERS, get_tokenizer
   ours = get_tokenizer(name)  # raises DataError (an InputError) for a missing file
   if ours.vocab_size > vocab_size:
     raise InputError(f"tokenizer {name} has {ours.vocab_size} ids, more than the model's "
                      f"vocabulary of {vocab_size}; export with the run's own tokenizer")
-  if name in ("byte", "gpt2"):
+  if name in BUILTIN_TOKENIZERS:
     if name == "gpt2":
       # GPT-2's own files, which jaxpipe's offline GPT-2 tokenizer reads too.
       import importlib.util  # pylint: disable=g-import-not-at-top

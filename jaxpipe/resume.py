@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Protocol
 
 import jax
 import yaml
@@ -47,8 +47,18 @@ from jaxpipe.checkpoint import (LAYOUT_KEYS, RESUMABLE_KEYS, Checkpointer, check
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, InputError
 
-if TYPE_CHECKING:  # trainer imports this module
-  from jaxpipe.trainer import Run
+
+
+class Run(Protocol):
+  """What a start needs of a run's pieces (`jaxpipe.trainer.Run` has them).
+
+  A protocol rather than the trainer's class, so that this module does not
+  import the trainer, which imports it.
+  """
+  cfg: Config
+  model: Any
+  schedule: Any
+  batch_shape: tuple[int, int, int]
 
 __all__ = ["Start", "Decision", "Layout", "begin", "decide", "layout", "saved_layout",
            "check_request", "fresh_weights", "checkpoint_dir", "checkpoint_meta",

@@ -133,7 +133,7 @@ def load_params(run_dir: str, step: Optional[int] = None) -> tuple[Config, Any, 
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import _vocab  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import unpad_vocab  # pylint: disable=g-import-not-at-top
 
   cfg = _read_config(run_dir)
   steps = checkpoint_steps(run_dir)
@@ -165,7 +165,7 @@ def load_params(run_dir: str, step: Optional[int] = None) -> tuple[Config, Any, 
     ring = flat["embed.embedding"].shape[0]
     newest = int(restored["step"]) % ring
     flat = {k: v[newest] for k, v in flat.items()}
-  model = model_lib.build(cfg.model)
+  model = model_lib.make_model(cfg.model)
   missing = [k for k in _param_keys(model) if k not in flat]
   if missing:
     raise CheckpointError(f"checkpoint {ckpt_dir}/{step} lacks {', '.join(missing[:3])}; it "
@@ -180,7 +180,7 @@ def load_params(run_dir: str, step: Optional[int] = None) -> tuple[Config, Any, 
                                                                    cfg.pipeline.stages)
     back = np.argsort(layer_order(cfg.model.n_layers, stages, cfg.pipeline.virtual_stages))
     blocks = jax.tree.map(lambda x: x[back], blocks)
-  shared = _vocab.unpad_vocab(params, model.vocab_axes, cfg.model.vocab_size)
+  shared = unpad_vocab(params, model.vocab_axes, cfg.model.vocab_size)
   return cfg, {**shared, "blocks": blocks}, step
 
 
@@ -210,7 +210,7 @@ def _param_keys(model) -> list[str]:
 def _flatten(tree: Any) -> dict[str, Any]:
   """{'a': {'b': x}} -> {'a.b': x} (the dotted names of checkpoint fields)."""
   from jaxpipe import checkpoint  # pylint: disable=g-import-not-at-top
-  return checkpoint._flatten(tree)  # pylint: disable=protected-access
+  return checkpoint.flatten_dict(tree)
 
 
 def _saved_tree(ckpt_dir: str, step: int) -> tuple[Any, dict[str, Any]]:

@@ -1,6 +1,6 @@
 """The training loop: joins config, data, model, optimizer, schedule and checkpoints.
 
-`build(cfg)` makes every piece of a run from its config; `train(cfg)` runs it:
+`make_run(cfg)` makes every piece of a run from its config; `train(cfg)` runs it:
 build, begin (one call into `jaxpipe.resume`, which starts fresh or resumes,
 on whatever mesh), then per step fetch a batch, run the schedule's jitted
 step, log, evaluate, checkpoint; stop cleanly on SIGTERM/SIGINT; guard
@@ -44,7 +44,7 @@ from jaxpipe.errors import ConfigError, DataError
 from jaxpipe.pipeline import (Schedule, StageFns, axes_across_nodes, expert_exchange, make_mesh,
                               make_schedule)
 
-__all__ = ["Run", "build", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED", "EXIT_SIGNAL",
+__all__ = ["Run", "make_run", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED", "EXIT_SIGNAL",
            "EXIT_LOST"]
 
 # Exit statuses (2, bad input, is every command's: jaxpipe.errors). A requeue
@@ -69,7 +69,7 @@ EXIT_LOST = _watchdog.EXIT_LOST
 
 @dataclasses.dataclass
 class Run:
-  """Everything a run is made of, built from its config by `build`."""
+  """Everything a run is made of, built from its config by `make_run`."""
   cfg: Config
   data: data_lib.TokenData
   model: model_lib.Model
@@ -129,8 +129,8 @@ def components(cfg: Config) -> tuple[model_lib.Model, StageFns, Any]:
   Mixture-of-Experts layer that a pipeline gives a slice of the experts sends
   tokens to them over 'data'.
   """
-  model = model_lib.build(cfg.model, exchange=expert_exchange)
-  return model, stage_fns(model), optim.build(cfg.optimizer, cfg.run.steps)
+  model = model_lib.make_model(cfg.model, exchange=expert_exchange)
+  return model, stage_fns(model), optim.make_optimizer(cfg.optimizer, cfg.run.steps)
 
 
 def resolve_attention(cfg: Config) -> Config:
@@ -160,7 +160,7 @@ def _mesh(cfg: Config, devices) -> jax.sharding.Mesh:
   return mesh
 
 
-def build(cfg: Config, devices=None) -> Run:
+def make_run(cfg: Config, devices=None) -> Run:
   """Builds data, model, optimizer, mesh and schedule from a validated config."""
   data = open_data(cfg)
   cfg = resolve_attention(resolve_model(cfg, data))
@@ -228,7 +228,7 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   """
   # These two refuse before anything is built or written: a refused run creates nothing.
   resume.check_request(cfg, require_resume=require_resume)
-  run = build(cfg, devices)
+  run = make_run(cfg, devices)
   init_params = resume.fresh_weights(run.cfg, require_resume=require_resume)
   os.makedirs(run.cfg.run.dir, exist_ok=True)
   ckpt = Checkpointer(resume.checkpoint_dir(run.cfg), keep=run.cfg.checkpoint.keep,

@@ -97,7 +97,7 @@ def config(**changes) -> ModelConfig:
 @functools.cache
 def model(cfg: ModelConfig = CONFIG) -> model_lib.Model:
   """The tiny Llama-style model shared by every pipeline test (or a variant of it)."""
-  return model_lib.build(cfg)
+  return model_lib.make_model(cfg)
 
 
 def stage_fns(cfg: ModelConfig = CONFIG) -> StageFns:
@@ -139,7 +139,7 @@ def optimizer(name: str, *, ef: float = 0.0, delay: int = 0, ef_outside: bool = 
   delayed gradient exists, so the one-device equivalent of 2bw with the
   correction wraps the correction in the delay. `ef_outside` builds the other
   order, `error_feedback(delay(opt))`, for a negative control. `clip` > 0
-  clips the gradient's global norm first, where `optim.build` puts
+  clips the gradient's global norm first, where `optim.make_optimizer` puts
   `optimizer.clip_norm`.
   """
   if name == "adamw":

@@ -181,8 +181,8 @@ CFG = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
 def test_model_loss_and_gradient_blockwise_equal_xla(remat):
   """300 tokens: three blocks of 128, the last one padded."""
-  xla = model_lib.build(dataclasses.replace(CFG, attention="xla", remat=remat))
-  ours = model_lib.build(dataclasses.replace(CFG, attention="blockwise", remat=remat))
+  xla = model_lib.make_model(dataclasses.replace(CFG, attention="xla", remat=remat))
+  ours = model_lib.make_model(dataclasses.replace(CFG, attention="blockwise", remat=remat))
   params = jax.jit(xla.init)(jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 301), 0, CFG.vocab_size)
   tok, tgt = tokens[:, :-1], tokens[:, 1:]
@@ -227,7 +227,7 @@ def test_blockwise_gradient_has_no_seq_by_seq_array():
   tokens = jnp.zeros((1, seq), jnp.int32)
   found = {}
   for attn in ("xla", "blockwise"):
-    m = model_lib.build(dataclasses.replace(CFG, n_layers=1, attention=attn))
+    m = model_lib.make_model(dataclasses.replace(CFG, n_layers=1, attention=attn))
     params = jax.eval_shape(m.init, jax.random.key(0))
     found[attn] = _seq_by_seq_arrays(jax.make_jaxpr(jax.grad(m.loss))(params, tokens, tokens), seq)
   assert found["xla"], "negative control: the search finds XLA's probabilities"
@@ -291,8 +291,8 @@ SELECTIONS = [
 @pytest.mark.parametrize("setting,backend,dtype,seq_len,head_dim,want", SELECTIONS,
                          ids=["-".join(map(str, s[:5])) for s in SELECTIONS])
 def test_selection(setting, backend, dtype, seq_len, head_dim, want):
-  assert _attention.select(setting, backend=backend, dtype=jnp.dtype(dtype), seq_len=seq_len,
-                           head_dim=head_dim) == want
+  assert _attention.select_attention(setting, backend=backend, dtype=jnp.dtype(dtype),
+                                     seq_len=seq_len, head_dim=head_dim) == want
 
 
 @pytest.mark.parametrize("backend,dtype,named", [
@@ -300,17 +300,18 @@ def test_selection(setting, backend, dtype, seq_len, head_dim, want):
     ("rocm", "float16", "backend is rocm"), ("cuda", "float32", "model.compute_dtype is float32")])
 def test_selection_refuses_cudnn_where_it_cannot_run(backend, dtype, named):
   with pytest.raises(ConfigError, match="model.attention=cudnn") as e:
-    _attention.select("cudnn", backend=backend, dtype=jnp.dtype(dtype), seq_len=64, head_dim=64)
+    _attention.select_attention("cudnn", backend=backend, dtype=jnp.dtype(dtype), seq_len=64,
+                                head_dim=64)
   assert named in str(e.value) and "\n" not in str(e.value)
 
 
 def test_selection_refuses_an_unknown_setting():
   with pytest.raises(ConfigError, match="model.attention must be one of"):
-    _attention.select("flash", backend="cpu", dtype=jnp.float32, seq_len=64, head_dim=8)
+    _attention.select_attention("flash", backend="cpu", dtype=jnp.float32, seq_len=64, head_dim=8)
 
 
 def test_cudnn_on_cpu_is_refused_when_the_model_is_built():
-  m = model_lib.build(dataclasses.replace(CFG, attention="cudnn", compute_dtype="bfloat16"))
+  m = model_lib.make_model(dataclasses.replace(CFG, attention="cudnn", compute_dtype="bfloat16"))
   with pytest.raises(ConfigError) as e:
     jax.eval_shape(m.init, jax.random.key(0))  # tracing is enough: the choice is made there
   message = str(e.value)
@@ -343,7 +344,7 @@ BF16 = dataclasses.replace(CFG, compute_dtype="bfloat16")
 @pytest.fixture
 def fake_cuda(monkeypatch):
   """An NVIDIA GPU as `select` sees it, on this CPU; the probe's memory cleared around the test."""
-  monkeypatch.setattr(_attention, "backend", lambda: "cuda")
+  monkeypatch.setattr(_attention, "attention_backend", lambda: "cuda")
   _attention.cudnn_failure.cache_clear()
   yield
   _attention.cudnn_failure.cache_clear()
@@ -366,7 +367,7 @@ def test_any_failure_of_the_probe_counts(fake_cuda, monkeypatch):
   def failing(q, k, v):
     calls.append(q.shape)
     raise ValueError("CUDNN_STATUS_EXECUTION_FAILED\n  at some\n  long place")
-  monkeypatch.setattr(_attention, "_cudnn", failing)
+  monkeypatch.setattr(_attention, "cudnn_attention", failing)
   cfg, note = _attention.resolve_attention(BF16, rows=2, seq_len=64)
   assert cfg.attention == "blockwise"
   assert "ValueError: CUDNN_STATUS_EXECUTION_FAILED at some long place" in note
@@ -381,7 +382,7 @@ def test_any_failure_of_the_probe_counts(fake_cuda, monkeypatch):
 def test_a_working_cudnn_keeps_auto(fake_cuda, monkeypatch):
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                       implementation="xla")
-  monkeypatch.setattr(_attention, "_cudnn", xla)
+  monkeypatch.setattr(_attention, "cudnn_attention", xla)
   assert _attention.resolve_attention(BF16, rows=2, seq_len=64) == (BF16, None)
 
 

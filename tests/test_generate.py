@@ -34,7 +34,7 @@ def _random_params(cfg, seed=0):
   around 1.
   """
   rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(model_lib.build(cfg).init, jax.random.key(0))
+  shapes = jax.eval_shape(model_lib.make_model(cfg).init, jax.random.key(0))
 
   def draw(path, leaf):
     noise = rng.normal(0.0, 0.2, leaf.shape).astype(np.float32)
@@ -50,7 +50,7 @@ def params():
 
 def _forward(cfg):
   """The training forward's logits [b, t, V] (embed, apply_blocks, logits), jitted."""
-  m = model_lib.build(cfg)
+  m = model_lib.make_model(cfg)
   return jax.jit(lambda p, x: m.logits(p, m.apply_blocks(p["blocks"], m.embed(p, x))[0]))
 
 

@@ -67,7 +67,7 @@ def _torch_logits(model, tokens):
 
 
 def _jax_logits(cfg_model, params, tokens):
-  model = model_lib.build(cfg_model)
+  model = model_lib.make_model(cfg_model)
   x, _ = model.apply_blocks(params["blocks"], model.embed(params, tokens))
   return np.asarray(model.logits(params, x))
 
@@ -82,7 +82,7 @@ def _assert_logits_close(ours, theirs):
 def _random_params(cfg_model, seed=0):
   """Random weights of the model's tree, drawn by numpy (an eager init compiles for seconds)."""
   rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(model_lib.build(cfg_model).init, jax.random.key(0))
+  shapes = jax.eval_shape(model_lib.make_model(cfg_model).init, jax.random.key(0))
   return jax.tree.map(lambda s: rng.normal(0, 0.5, s.shape).astype(s.dtype), shapes)
 
 
@@ -102,7 +102,7 @@ def test_imported_logits_equal_transformers(tmp_path, tied):
                    "ffn_dim": 80, "tie_embeddings": tied, "rope_theta": 500.0, "norm_eps": 0.05}
   cfg_model = dataclasses.replace(config.ModelConfig(), **shape)
   params = hf.load_params(path, cfg_model)
-  want = jax.eval_shape(model_lib.build(cfg_model).init, jax.random.key(0))
+  want = jax.eval_shape(model_lib.make_model(cfg_model).init, jax.random.key(0))
   assert jax.tree.structure(params) == jax.tree.structure(want)
   assert all(p.shape == w.shape and p.dtype == w.dtype
              for p, w in zip(jax.tree.leaves(params), jax.tree.leaves(want)))

@@ -18,7 +18,7 @@ BATCH = (2, 4, 8)
 
 
 def _schedule(name, stages, data):
-  model = model_lib.build(CFG)
+  model = model_lib.make_model(CFG)
   mesh = make_mesh(stages, data, jax.devices()[:stages * data])
   return model, make_schedule(name, stage_fns(model), optax.adamw(1e-3), mesh, 2)
 

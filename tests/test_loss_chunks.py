@@ -62,7 +62,7 @@ def _assert_grads_close(got, want):
 
 
 def _model(tie: bool, chunk: int = 0, vocab: int = CFG.vocab_size) -> model_lib.Model:
-  return model_lib.build(dataclasses.replace(CFG, tie_embeddings=tie, loss_chunk=chunk,
+  return model_lib.make_model(dataclasses.replace(CFG, tie_embeddings=tie, loss_chunk=chunk,
                                              vocab_size=vocab))
 
 
@@ -151,7 +151,7 @@ def test_the_reference_loss_is_model_loss(chunk):
   """
   from jaxpipe.pipeline._schedules import _full_loss  # pylint: disable=g-import-not-at-top
   cfg = dataclasses.replace(CFG, n_layers=2, loss_chunk=chunk)
-  m = model_lib.build(cfg)
+  m = model_lib.make_model(cfg)
   fns = trainer.stage_fns(m)
   params = jax.jit(m.init)(jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(3), (1, ROWS, SEQ), 0, CFG.vocab_size)
@@ -160,7 +160,7 @@ def test_the_reference_loss_is_model_loss(chunk):
 
   want = _jaxpr_of_value_and_grad(m.loss, *args)
   assert _jaxpr_of_value_and_grad(_full_loss(fns), *args) == want
-  other = model_lib.build(dataclasses.replace(cfg, loss_chunk=0 if chunk else 5))
+  other = model_lib.make_model(dataclasses.replace(cfg, loss_chunk=0 if chunk else 5))
   assert _jaxpr_of_value_and_grad(other.loss, *args) != want
 
   loss, grads = jax.jit(jax.value_and_grad(m.loss))(*args)
@@ -300,7 +300,7 @@ def head_temp_bytes(chunk: int, vocab: int = MEM_VOCAB, tokens: int = MEM_TOKENS
 
   Shapes only (`jax.ShapeDtypeStruct`): nothing of that size is allocated.
   """
-  m = model_lib.build(dataclasses.replace(CFG, vocab_size=vocab, dim=dim, loss_chunk=chunk))
+  m = model_lib.make_model(dataclasses.replace(CFG, vocab_size=vocab, dim=dim, loss_chunk=chunk))
   params = jax.eval_shape(m.init, jax.random.key(0))
   head = {"embed": params["embed"], "head": params["head"]}
   x = jax.ShapeDtypeStruct((tokens // 1024, 1024, dim), jnp.float32)

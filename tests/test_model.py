@@ -25,7 +25,7 @@ def _logits(m, params, tokens):
 
 @pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
 def test_shapes_and_causality(cfg):
-  m = model_lib.build(cfg)
+  m = model_lib.make_model(cfg)
   params = jax.jit(m.init)(jax.random.key(0))
   assert params["blocks"]["attn"]["q"]["kernel"].shape == (2, 32, 32)
   assert params["blocks"]["attn"]["k"]["kernel"].shape == (2, 32, 16)  # 2 kv heads of 8
@@ -39,7 +39,7 @@ def test_shapes_and_causality(cfg):
 
 
 def test_initial_loss_is_near_uniform():
-  m = model_lib.build(CFG)
+  m = model_lib.make_model(CFG)
   params = jax.jit(m.init)(jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, CFG.vocab_size)
   # Small random logits (std about 0.1) add roughly their variance to log(V).
@@ -48,7 +48,7 @@ def test_initial_loss_is_near_uniform():
 
 def test_tied_embeddings_share_one_matrix():
   cfg = dataclasses.replace(CFG, tie_embeddings=True)
-  m = model_lib.build(cfg)
+  m = model_lib.make_model(cfg)
   params = jax.jit(m.init)(jax.random.key(0))
   assert "out" not in params["head"]
   tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
@@ -61,7 +61,7 @@ def test_tied_embeddings_share_one_matrix():
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_policies_do_not_change_gradients(policy):
-  plain, remat = model_lib.build(CFG), model_lib.build(dataclasses.replace(CFG, remat=policy))
+  plain, remat = model_lib.make_model(CFG), model_lib.make_model(dataclasses.replace(CFG, remat=policy))
   params = jax.jit(plain.init)(jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, CFG.vocab_size)
   g1 = jax.jit(jax.grad(plain.loss))(params, tokens, tokens)
@@ -71,7 +71,7 @@ def test_remat_policies_do_not_change_gradients(policy):
 
 def test_moe_output_of_a_sequence_does_not_depend_on_its_batch():
   """Routing groups are sequences, so microbatching and sharding cannot change the model."""
-  m = model_lib.build(MOE)
+  m = model_lib.make_model(MOE)
   params = jax.jit(m.init)(jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, MOE.vocab_size)
   whole = _logits(m, params, tokens)

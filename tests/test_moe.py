@@ -27,7 +27,7 @@ CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
                   moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25,
                                 aux_loss_coeff=0.1))
 ROWS, SEQ, STEPS = 4, 8, 4
-MODEL = model_lib.build(CFG, exchange=expert_exchange)
+MODEL = model_lib.make_model(CFG, exchange=expert_exchange)
 FNS = trainer.stage_fns(MODEL)
 
 

@@ -462,11 +462,11 @@ FACTORIES = {
     "delay(error_feedback(muon))": lambda lr: optim.delay(
         optim.error_feedback(optim.muon(lr), 0.5), 2),
 }
-BUILT = {f"build[{name}]": lambda name=name: optim.build(
+BUILT = {f"make_optimizer[{name}]": lambda name=name: optim.make_optimizer(
     _cfg(name=name, delay=1, error_feedback=1.0), 10)
          for name in ("adamw", "muon", "lion", "adan", "sgd", "mars",
                       "normuon", "soap")}
-# build[...] covers lion, adan, sgd and delay(error_feedback(clip + opt)).
+# make_optimizer[...] covers lion, adan, sgd and delay(error_feedback(clip + opt)).
 ALL = {**{k: functools.partial(FACTORIES[k], 0.01)
           for k in ("adamw", "muon", "mars", "normuon", "soap",
                     "delay(error_feedback(muon))")}, **BUILT}
@@ -597,7 +597,7 @@ def test_build_on_sharded_params_matches_unsharded(axis_type):
                        devices=jax.devices()[:2])
   params = compact_tree()
   grads = [grads_like(params, s) for s in range(3)]
-  tx = optim.build(_cfg(name="muon", delay=1, error_feedback=1.0), 10)
+  tx = optim.make_optimizer(_cfg(name="muon", delay=1, error_feedback=1.0), 10)
   want, _ = run(tx, grads, params)
 
   def spec(path, _):
@@ -628,7 +628,7 @@ def test_build_on_sharded_params_matches_unsharded(axis_type):
 
 
 # --------------------------------------------------------------------------
-# build and schedules
+# make_optimizer and schedules
 
 def test_build_matches_hand_composed_chain():
   # No warmup: a warmup from rate 0 would make the first real update zero and
@@ -647,12 +647,12 @@ def test_build_matches_hand_composed_chain():
                   mask=optim.weight_decay_mask)), 1), 0.5)
   params = small_tree()
   grads = [grads_like(params, s) for s in range(5)]
-  got, _ = run(optim.build(cfg, 8), grads, params)
+  got, _ = run(optim.make_optimizer(cfg, 8), grads, params)
   want, _ = run(hand, grads, params)
   other, _ = run(swapped, grads, params)
   for a, b in zip(got, want):
     assert_trees_close(a, b, rtol=1e-5, atol=1e-8)
-  # The first real update (call 1) is uncorrected in build's order and 1.5
+  # The first real update (call 1) is uncorrected in make_optimizer's order and 1.5
   # times larger in the other; after that the orders agree.
   assert_trees_close(jax.tree.map(lambda x: 1.5 * x, got[1]), other[1],
                      rtol=1e-5, atol=1e-8)
@@ -664,14 +664,14 @@ def test_build_muon_adam_lr_and_ef_dtype():
   cfg = OptimizerConfig(name="muon", lr=0.02, adam_lr=0.004,
                         schedule="constant", clip_norm=0.0,
                         error_feedback=1.0, ef_dtype="bfloat16")
-  tx = optim.build(cfg, 10)
+  tx = optim.make_optimizer(cfg, 10)
   params = compact_tree()
   state = tx.init(params)
   assert isinstance(state, optim.ErrorFeedbackState)
   assert all(x.dtype == jnp.bfloat16
              for x in jax.tree.leaves(state.prev_update))
   grads = [grads_like(params, s) for s in range(2)]
-  plain = optim.build(dataclasses.replace(cfg, error_feedback=0.0), 10)
+  plain = optim.make_optimizer(dataclasses.replace(cfg, error_feedback=0.0), 10)
   got, _ = run(plain, grads, params)
   want, _ = run(optim.muon(0.02, adam_learning_rate=0.004, weight_decay=0.1),
                 grads, params)
@@ -682,10 +682,10 @@ def test_build_muon_adam_lr_and_ef_dtype():
 def test_build_plain_config_is_just_the_optimizer():
   cfg = OptimizerConfig(name="sgd", clip_norm=0.0, schedule="constant",
                         momentum=0.9, lr=0.1, weight_decay=0.0)
-  state = optim.build(cfg, 5).init(jnp.zeros(2))
+  state = optim.make_optimizer(cfg, 5).init(jnp.zeros(2))
   assert not isinstance(state, (optim.DelayState, optim.ErrorFeedbackState))
   with pytest.raises(ValueError):
-    optim.build(dataclasses.replace(cfg, name="rmsprop"), 5)
+    optim.make_optimizer(dataclasses.replace(cfg, name="rmsprop"), 5)
 
 
 def _lr(cfg, total, counts, **kw):

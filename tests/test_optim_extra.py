@@ -394,13 +394,13 @@ def test_default_muon_is_unchanged_bit_for_bit():
   lr = 0.02
   dims = lambda tree: jax.tree.map(lambda _: MuonDimensionNumbers(-2, -1), tree)
   labels = optim.param_labels
-  before = _optimizers._dtype_stable(optax.chain(
+  before = _optimizers.dtype_stable(optax.chain(
       optax.partition({
           "muon": optax.chain(
               optax.contrib.scale_by_muon(
                   ns_coeffs=(3.4445, -4.7750, 2.0315), ns_steps=5, beta=0.95,
                   eps=1e-8, nesterov=True, weight_dimension_numbers=dims),
-              _optimizers._scale_by_shape(dims, 0.2)),
+              _optimizers.scale_by_shape(dims, 0.2)),
           "adam": optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8)}, labels),
       optax.add_decayed_weights(0.1, optim.weight_decay_mask),
       optax.partition({"muon": optax.scale_by_learning_rate(lr),
@@ -416,7 +416,7 @@ def test_default_muon_is_unchanged_bit_for_bit():
 
 
 # --------------------------------------------------------------------------
-# build and config
+# make_optimizer and config
 
 def test_build_matches_factories_with_the_config_betas():
   params, grads = _hand_case()
@@ -437,7 +437,7 @@ def test_build_matches_factories_with_the_config_betas():
        optim.adan(0.01, b1=0.9, b2=0.8, b3=0.999, eps=1e-6, weight_decay=0.05)),
   ]
   for cfg, tx in cases:
-    got, _ = base.run(optim.build(cfg, 10), grads, params)
+    got, _ = base.run(optim.make_optimizer(cfg, 10), grads, params)
     want, _ = base.run(tx, grads, params)
     for a, b in zip(got, want):
       base.assert_trees_close(a, b)
@@ -610,7 +610,7 @@ def test_docstring_examples_run(module):
 
 
 def test_schedule_none_takes_gradients_at_predicted_weights():
-  """`optimizer.weight_prediction` through `build` and `schedule=none`, as the
+  """`optimizer.weight_prediction` through `make_optimizer` and `schedule=none`, as the
   trainer wires it, equals the rule's loop by hand for 3 steps."""
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
@@ -620,7 +620,7 @@ def test_schedule_none_takes_gradients_at_predicted_weights():
                         weight_prediction=1.0, eps=1e-6)
   fns = trainer.stage_fns(util.model())
   params = jax.tree.map(jnp.asarray, util.initial_params())
-  sch = make_schedule("none", fns, optim.build(cfg, 3), make_mesh(1, 1), 1,
+  sch = make_schedule("none", fns, optim.make_optimizer(cfg, 3), make_mesh(1, 1), 1,
                       predict=optim.predicted_params)
   state = sch.init(params, (1, util.ROWS, util.SEQ))
   tx = optim.delay(optim.weight_prediction(optim.adamw(1e-2, eps=1e-6)))

@@ -325,7 +325,7 @@ def test_adam_group_is_adamw_and_labels():
 
 
 # --------------------------------------------------------------------------
-# dtypes, jit, inject_hyperparams, wrappers, build
+# dtypes, jit, inject_hyperparams, wrappers, make_optimizer
 
 def test_bf16_params_keep_bf16_and_state_is_float32():
   params = {"blocks": {"mlp": {"kernel": jnp.asarray(_normal(1, (2, 6, 4)),
@@ -401,7 +401,7 @@ def test_build_and_config_keys():
   params = _f32({"w": _normal(1, (3, 2)), "norm": {"scale": _normal(2, (2,))}})
   grads = [_f32(jax.tree.map(lambda x, s=s: _normal(90 + s, x.shape), params))
            for s in range(3)]
-  got, states = run(optim.build(cfg, 10), grads, params)
+  got, states = run(optim.make_optimizer(cfg, 10), grads, params)
   want, _ = run(optim.soap(0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                            shampoo_beta=0.9, precondition_frequency=2,
                            max_precond_dim=2), grads, params)

@@ -575,7 +575,7 @@ def _assert_same_run(a, b):
 def test_a_2bw_checkpoint_holds_no_in_flight_arrays_and_resumes_bit_for_bit(tmp_path, lean_run):
   import jax
   cfg = config.load(_runs.TINY, [f"run.dir={lean_run}", *LEAN])
-  run = trainer.build(cfg)
+  run = trainer.make_run(cfg)
   abstract = jax.eval_shape(lambda r: run.schedule.init_sharded(run.model.init, r,
                                                                 run.batch_shape),
                             jax.random.key(0))

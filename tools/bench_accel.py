@@ -41,7 +41,8 @@ PRESETS = {
 
 
 def _args(argv):
-  from jaxpipe.cli._common import Parser  # pylint: disable=g-import-not-at-top
+  from jaxpipe.cli import Parser  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import STASH_MODES  # pylint: disable=g-import-not-at-top
   p = Parser(prog="bench_accel", description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                  help="gpu (default on an accelerator) or cpu (default on a CPU)")
@@ -50,7 +51,7 @@ def _args(argv):
   p.add_argument("--stages", type=int, default=0,
                  help="stages of the pipelines; 0 = the largest up to 4 that divides the layers "
                       "and the devices")
-  p.add_argument("--stash", choices=("inputs", "residuals"),
+  p.add_argument("--stash", choices=STASH_MODES,
                  help="pipeline.stash of the pipelines (default: the config's)")
   p.add_argument("--microbatches", type=int)
   p.add_argument("--batch", type=int, help="global batch in sequences (must split over replicas)")

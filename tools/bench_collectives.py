@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_common import free_port
-from jaxpipe.cli._common import Parser
+from jaxpipe.cli import Parser
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 # (name, shape): the pipeline's per-tick and per-step payloads at the benchmark's shape.

@@ -19,7 +19,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+from jaxpipe.pipeline import SCHEDULE_NAMES as SCHEDULES
+
 COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -79,7 +80,7 @@ def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatc
 def model_parts(shape: ModelShape, seed: int) -> tuple[Any, Any, Any]:
   """(the model, its StageFns, the optimizer) of the benchmark model, built once per shape."""
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
-  # The pieces `jaxpipe.trainer.build` makes, minus the token data.
+  # The pieces `jaxpipe.trainer.make_run` makes, minus the token data.
   return trainer.components(make_config(shape, "none", 1, 1))
 
 

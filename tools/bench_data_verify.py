@@ -38,9 +38,9 @@ except ImportError:  # run from a fresh clone without installing
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from jaxpipe.cli._common import Parser  # pylint: disable=g-import-not-at-top
-from jaxpipe.data import TokenData, TokenWriter, open_tokens  # pylint: disable=g-import-not-at-top
-from jaxpipe.data import _format  # pylint: disable=g-import-not-at-top
+from jaxpipe.cli import Parser  # pylint: disable=g-import-not-at-top
+# pylint: disable-next=g-import-not-at-top
+from jaxpipe.data import VERIFIED, TokenData, TokenWriter, open_tokens, scan_split
 
 VOCAB = 50257  # GPT-2's, the largest that the shipped tokenizers use with uint16
 # Tokens generated and appended per step: 32 MiB of uint16.
@@ -74,7 +74,7 @@ def _evict(path: str) -> None:
 
 def _forget(path: str) -> None:
   try:
-    os.remove(os.path.join(path, _format.VERIFIED))
+    os.remove(os.path.join(path, VERIFIED))
   except FileNotFoundError:
     pass
 
@@ -99,7 +99,7 @@ def _pass(data: TokenData, with_hash: bool) -> int:
     splits = {k: dict(v) for k, v in data.meta["splits"].items()}
     splits["train"].pop("sha256", None)
     data = TokenData(data.path, {**data.meta, "splits": splits})
-  return _format._scan(data, "train")  # pylint: disable=protected-access
+  return scan_split(data, "train")
 
 
 def measure(path: str, repeat: int, evict: bool) -> list[tuple[str, list[float]]]:

@@ -64,7 +64,10 @@ from bench_common import (SCHEDULES, ModelShape, Runner, emulate_devices, memory
                           write)
 from bench_report import (compile_table, draw_sweep, load, machine, memory_table, step_table,
                           sweep_table, target_table)
-from jaxpipe.cli._common import Parser
+from jaxpipe.cli import Parser
+from jaxpipe.config import HEAD_CHOICES
+from jaxpipe.model import REMAT_POLICIES
+from jaxpipe.pipeline import STASH_MODES
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 SWEEP_STAGES = (2, 4)
@@ -266,8 +269,8 @@ def _check(args, shape: ModelShape) -> None:
                      "dim must split into heads of even size, heads into kv groups")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-  """Runs the benchmark (or the sweep) and prints / writes the tables."""
+def _parser() -> Parser:
+  """The command line: the (S, M) point or the sweep, the model's shape, the outputs."""
   parser = Parser(prog="bench_pipeline", description=__doc__.split("\n\n")[0])
   parser.add_argument("--stages", type=int, default=4, help="S (default 4)")
   parser.add_argument("--microbatches", type=int, default=8, help="M (default 8)")
@@ -291,11 +294,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--out-md", default="", help="write the markdown report here")
   parser.add_argument("--out-png", default="", help="sweep: write the plot here")
   parser.add_argument("--out-json", default="", help="write every measurement (raw) here")
-  parser.add_argument("--remat", choices=("none", "dots", "full"), default=d.remat,
+  parser.add_argument("--remat", choices=REMAT_POLICIES, default=d.remat,
                       help=f"model.remat (default {d.remat})")
-  parser.add_argument("--stash", choices=("inputs", "residuals"), default=d.stash,
+  parser.add_argument("--stash", choices=STASH_MODES, default=d.stash,
                       help=f"pipeline.stash (default {d.stash})")
-  parser.add_argument("--head", choices=("auto", "last_stage", "vocab_parallel"), default=d.head,
+  parser.add_argument("--head", choices=HEAD_CHOICES, default=d.head,
                       help=f"pipeline.head (default {d.head})")
   parser.add_argument("--two-core", action="store_true",
                       help="real parallelism: S=2 stages on two cores against one device on one "
@@ -312,7 +315,40 @@ def main(argv: Optional[list[str]] = None) -> int:
                            "and account for their time by phase (default 0: off)")
   parser.add_argument("--cores", default="0,1",
                       help="two-core: the two CPU cores to pin to (default 0,1)")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def _sections(args, shape: ModelShape, log) -> tuple[list[tuple[str, str]], list, list]:
+  """Measures what `args` ask for: (titled report sections, step rows, compile rows)."""
+  sections, compile_rows = [], []
+  if args.sweep:
+    rows = []
+    for s_ in SWEEP_STAGES:
+      for m in SWEEP_MICROBATCHES:
+        rows += measure(shape, s_, m, warmup=args.warmup, repeats=args.repeats, log=log)
+    sections.append(("Sweep: step time per schedule (global batch = M x "
+                     f"{shape.micro_rows} sequences)", sweep_table(rows)))
+    return sections, rows, compile_rows
+  rows = measure(shape, args.stages, args.microbatches, warmup=args.warmup,
+                 repeats=args.repeats, log=log)
+  if not args.no_compile_sweep and args.compile_m:
+    done = next(r for r in rows if r["schedule"] == "2bw")
+    compile_rows = compile_vs_m(shape, args.stages, args.compile_m, done=done, log=log)
+  s_, m = args.stages, args.microbatches
+  sections.append((f"Step time, S={s_}, M={m}, global batch {m * shape.micro_rows} x "
+                   f"{shape.seq_len} tokens ({args.repeats} timed steps after {args.warmup} "
+                   "warm-up, round-robin)", step_table(rows)))
+  sections.append(("Memory per device, MiB (XLA memory analysis of the compiled step)",
+                   memory_table(rows)))
+  if compile_rows:
+    sections.append((f"2bw compile time against M (S={s_})", compile_table(compile_rows)))
+  sections.append(("Targets", target_table(targets(rows, compile_rows))))
+  return sections, rows, compile_rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """Runs the benchmark (or the sweep) and prints / writes the tables."""
+  args = _parser().parse_args(argv)
   shape = ModelShape(args.dim, args.layers, args.heads, args.kv_heads, args.seq_len,
                      args.micro_rows, remat=args.remat, stash=args.stash, head=args.head)
   try:
@@ -343,29 +379,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"load average (1/5/15 min) at start: {load_before}"]
   for line in header:
     log(line)
-  sections, compile_rows = [], []
-  if args.sweep:
-    rows = []
-    for s_ in SWEEP_STAGES:
-      for m in SWEEP_MICROBATCHES:
-        rows += measure(shape, s_, m, warmup=args.warmup, repeats=args.repeats, log=log)
-    sections.append(("Sweep: step time per schedule (global batch = M x "
-                     f"{shape.micro_rows} sequences)", sweep_table(rows)))
-  else:
-    rows = measure(shape, args.stages, args.microbatches, warmup=args.warmup,
-                   repeats=args.repeats, log=log)
-    if not args.no_compile_sweep and args.compile_m:
-      done = next(r for r in rows if r["schedule"] == "2bw")
-      compile_rows = compile_vs_m(shape, args.stages, args.compile_m, done=done, log=log)
-    s_, m = args.stages, args.microbatches
-    sections.append((f"Step time, S={s_}, M={m}, global batch {m * shape.micro_rows} x "
-                     f"{shape.seq_len} tokens ({args.repeats} timed steps after {args.warmup} "
-                     "warm-up, round-robin)", step_table(rows)))
-    sections.append(("Memory per device, MiB (XLA memory analysis of the compiled step)",
-                     memory_table(rows)))
-    if compile_rows:
-      sections.append((f"2bw compile time against M (S={s_})", compile_table(compile_rows)))
-    sections.append(("Targets", target_table(targets(rows, compile_rows))))
+  sections, rows, compile_rows = _sections(args, shape, log)
   elapsed = time.time() - started
   footer = [f"load average at end: {load()}; wall time {elapsed:.0f} s"]
   text = "\n".join(header) + "\n\n" + "\n\n".join(f"### {t}\n\n{body}" for t, body in sections)

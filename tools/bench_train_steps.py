@@ -39,14 +39,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_report import load as _load
-from jaxpipe.cli._common import Parser
+from jaxpipe.cli import Parser
+from jaxpipe.data import BUILTIN_TOKENIZERS
+from jaxpipe.pipeline import PIPELINED
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 SHAPE = ("model.dim=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2",
          "data.seq_len=64", "data.batch_size=16", "pipeline.microbatches=8",
          "pipeline.stash=residuals", "model.remat=dots", "optimizer.name=adamw",
          "eval.batches=0", "checkpoint.every=0")
-SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = PIPELINED
 # Steps before this one include the compilation and the first dispatches.
 FIRST_TIMED = 3
 
@@ -123,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   p = Parser(prog="bench_train_steps", description=__doc__.split("\n")[0])
   p.add_argument("--schedules", default="2bw,1f1b,gpipe",
                  help=f"comma-separated, of {', '.join(SCHEDULES)} (default 2bw,1f1b,gpipe)")
-  p.add_argument("--tokenizer", default="byte", choices=("byte", "gpt2"),
+  p.add_argument("--tokenizer", default="byte", choices=BUILTIN_TOKENIZERS,
                  help="byte (vocabulary 257) or gpt2 (50257)")
   p.add_argument("--rounds", type=int, default=2, help="rotated rounds (default 2)")
   p.add_argument("--steps", type=int, default=12, help="steps per run (default 12)")

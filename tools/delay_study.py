@@ -52,10 +52,7 @@ from jaxpipe.study import (
     Plan, Runner, StudyError, cell_state, check_cells, compare_check, count_params,
     fmt_duration, fmt_lr, journal_update, markdown_table, parse_lrs, parse_optimizers,
     parse_settings, read_records, report_sizes, report_study, report_sweep, study_cells,
-    sweep_cells, write_json)
-from jaxpipe.study._cells import _say
-from jaxpipe.study._report import _meta
-from jaxpipe.study._results import _num
+    sweep_cells, write_json, say, study_meta, fmt_num)
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 
@@ -190,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
 
   tokens = steps * plan.tokens_per_step()
-  _say(f"model: {params:,} parameters; {'sweep' if args.lr_sweep else 'study'} runs of "
+  say(f"model: {params:,} parameters; {'sweep' if args.lr_sweep else 'study'} runs of "
        f"{steps} steps x {plan.tokens_per_step():,} tokens = {tokens / 1e6:.2f}M tokens = "
        f"{tokens / params:.1f} tokens per parameter" if not args.check_2bw else
        f"2bw check: {args.check_optimizer} lr {fmt_lr(lrs[args.check_optimizer])}, delayed + EF, "
@@ -219,27 +216,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.check_2bw:
     sim, pipe = cells
     result = compare_check(sim, pipe, args.check_rtol)
-    result["meta"] = _meta(args, t0, outcome, plan, params, args.check_steps, result_path)
+    result["meta"] = study_meta(args, t0, outcome, plan, params, args.check_steps, result_path)
     os.makedirs(out, exist_ok=True)
     write_json(result_path, result)
     verdict = "PASS" if result["passed"] else "FAIL"
-    _say(f"2bw check: {args.check_steps} steps, largest relative difference of the per-step "
+    say(f"2bw check: {args.check_steps} steps, largest relative difference of the per-step "
          f"losses {result['max_rel_diff']:.2e} (tolerance {args.check_rtol:.0e}); final val "
-         f"{_num(result['sim_val_loss'])} (simulated) vs {_num(result['pipe_val_loss'])} (2bw): "
+         f"{fmt_num(result['sim_val_loss'])} (simulated) vs {fmt_num(result['pipe_val_loss'])} (2bw): "
          f"{verdict}")
     return 0 if result["passed"] else 1
   if args.lr_sweep:
     report_sweep(args, plan, cells, optimizers, params, steps, t0, outcome)
-    _say(f"wrote {os.path.join(args.out, 'lr_sweep.json')} and lr_sweep.md in "
+    say(f"wrote {os.path.join(args.out, 'lr_sweep.json')} and lr_sweep.md in "
          f"{fmt_duration(time.time() - t0)}")
   else:
     result = report_study(args, plan, cells, optimizers, range(args.seeds), params, steps, t0,
                           outcome)
-    _say(markdown_table(result["summary"]))
-    _say(f"wrote {os.path.join(args.out, 'results.md')}, results.json, val_curves.png, "
+    say(markdown_table(result["summary"]))
+    say(f"wrote {os.path.join(args.out, 'results.md')}, results.json, val_curves.png, "
          f"gap_vs_length.png in {fmt_duration(time.time() - t0)}")
   if failed and args.report:
-    _say(f"{len(failed)} run(s) not finished yet: {', '.join(failed[:6])}"
+    say(f"{len(failed)} run(s) not finished yet: {', '.join(failed[:6])}"
          + (" ..." if len(failed) > 6 else ""))
   elif failed:
     print(f"error: {len(failed)} run(s) did not finish: {', '.join(failed[:6])}"

@@ -41,11 +41,12 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxpipe.cli._common import Parser  # noqa: E402
-from jaxpipe.pipeline import (Timetable, check_virtual_stages, facts,  # noqa: E402
+from jaxpipe.cli import Parser  # noqa: E402
+from jaxpipe.pipeline import (PIPELINED, Timetable, check_virtual_stages, facts,  # noqa: E402
                               min_microbatches, timetable)
 
-SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "interleaved")
+# 2bw, the schedule this project is about, drawn first; then the pipeline's own order.
+SCHEDULES = tuple(sorted(PIPELINED, key=lambda name: name != "2bw"))
 # Interleaved's chunks per stage unless --virtual-stages says otherwise.
 VIRTUAL_STAGES = 2
 

@@ -116,7 +116,8 @@ def check_attention(sizes: Sizes, dry_run: bool) -> dict[str, Any]:
   """cuDNN and blockwise attention in bfloat16 (values, q, k, v gradients) against float32 XLA."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxpipe.model import _attention  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jaxpipe.model import blockwise_attention, cudnn_attention
   b, t, h, kvh, d = sizes.attention
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
@@ -134,11 +135,11 @@ def check_attention(sizes: Sizes, dry_run: bool) -> dict[str, Any]:
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                       implementation="xla")
   ref_out, ref_grads = value_and_grads(xla, jnp.float32)
-  impls = {"blockwise": _attention.blockwise_attention}
+  impls = {"blockwise": blockwise_attention}
   if dry_run:
     impls["xla"] = xla  # the CPU has no cuDNN: XLA's own bfloat16 attention stands in
   else:
-    impls["cudnn"] = _attention._cudnn  # pylint: disable=protected-access
+    impls["cudnn"] = cudnn_attention
   result: dict[str, Any] = {"shape": f"q {b}x{t}x{h}x{d}, k and v {b}x{t}x{kvh}x{d}, bfloat16",
                             "tolerance": ATTENTION_TOL, "errors": {}}
   for name, fn in impls.items():
@@ -206,7 +207,7 @@ def check_generate(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
   cfg = state.get("cfg") or _config(sizes)
   params = state.get("params")
   if params is None:
-    params = jax.jit(model_lib.build(cfg.model).init)(jax.random.key(0))
+    params = jax.jit(model_lib.make_model(cfg.model).init)(jax.random.key(0))
   prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
   t0 = time.perf_counter()
   out = generate.generate(cfg.model, params, prompts, max_new_tokens=sizes.new_tokens,

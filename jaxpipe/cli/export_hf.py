@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from jaxpipe.cli._common import Parser, run_reported
+from jaxpipe.data import BUILTIN_TOKENIZERS
 from jaxpipe.errors import InputError
 
 
@@ -126,7 +127,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, tokenizer: str | 
       hf.save(tmp, cfg.model, params, tokenizer=spec,
               max_position_embeddings=cfg.data.seq_len)
     except InputError as e:
-      if tokenizer is None and spec not in ("byte", "gpt2", "none"):
+      if tokenizer is None and spec not in (*BUILTIN_TOKENIZERS, "none"):
         raise InputError(f"{e} (the run's data.tokenizer; pass --tokenizer PATH, or "
                          "--tokenizer none for no tokenizer files)") from None
       raise

@@ -40,14 +40,14 @@ from typing import Any, Optional
 
 from jaxpipe import config as config_lib
 from jaxpipe import launch
-from jaxpipe.cli._common import Parser
+from jaxpipe.cli import Parser
 from jaxpipe.errors import ConfigError, InputError
+from jaxpipe.pipeline import SCHEDULE_NAMES, STASH_MODES
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved")
+SCHEDULES, STASHES = SCHEDULE_NAMES, STASH_MODES
 # Interleaved's chunks per device in the table when the config's schedule is
 # another one (whose pipeline.virtual_stages is 1).
 VIRTUAL_STAGES = 2
-STASHES = ("inputs", "residuals")
 
 # Rows of the table, in order: (key, label).
 ROWS = (
@@ -225,21 +225,20 @@ class Plan:
 def _tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float]:
   """FLOPs of the busiest tick of every stage's own program (see `Plan.work`)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import _cost  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import flops as program_flops, stage_tick  # pylint: disable=g-import-not-at-top
   busy = [int((plan_obj.fwd[t] >= 0).sum() + (plan_obj.bwd[t] >= 0).sum())
           for t in range(plan_obj.num_ticks)]
   tick = int(np.argmax(busy))
   out = []
   for s in range(plan_obj.num_stages):
-    fn, args = _cost.stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=tick)
-    out.append(_cost.flops(fn, *args)["total"])
+    fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=tick)
+    out.append(program_flops(fn, *args)["total"])
   if not plan_obj.fwd[tick].min() >= 0 or not plan_obj.bwd[tick].min() >= 0:
     # gpipe's ticks hold a forward or a backward: add the backward tick's work.
     t_b = int(np.argmax([int((plan_obj.bwd[t] >= 0).sum()) for t in range(plan_obj.num_ticks)]))
     for s in range(plan_obj.num_stages):
-      fn, args = _cost.stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash,
-                                  tick=t_b)
-      out[s] += _cost.flops(fn, *args)["total"]
+      fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=t_b)
+      out[s] += program_flops(fn, *args)["total"]
   return out
 
 
@@ -248,7 +247,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   """Computes per-device memory, per-stage work and bubbles for `cfg` (no compilation).
 
   The model, optimizer, mesh and schedules are built exactly as
-  `jaxpipe.trainer.build` builds them, without opening the token data;
+  `jaxpipe.trainer.make_run` builds them, without opening the token data;
   every shape comes from `jax.eval_shape`. The memory model, and how it
   compares with XLA's analysis of the compiled step, is in docs/benchmark.md.
   """
@@ -256,8 +255,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import make_mesh, make_schedule, min_microbatches, step_plan  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import _vocab  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline._engine import Engine, residual_shapes  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import Engine, pad_vocab, padded_vocab, residual_shapes  # pylint: disable=g-import-not-at-top
 
   cfg = resolve_vocab(cfg)
   s_, d_, m = cfg.pipeline.stages, cfg.mesh.data, cfg.pipeline.microbatches
@@ -278,8 +276,8 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
 
   def stage_shapes(num_stages: int):
     """Per-device shapes: L/S blocks, the (padded) vocabulary over S (experts whole)."""
-    vocab = _vocab.padded_vocab(cfg.model.vocab_size, num_stages)
-    sh = jax.eval_shape(lambda t: _vocab.pad_vocab(t, fns.vocab_axes, vocab), shared)
+    vocab = padded_vocab(cfg.model.vocab_size, num_stages)
+    sh = jax.eval_shape(lambda t: pad_vocab(t, fns.vocab_axes, vocab), shared)
     local = jax.tree.map(
         lambda x, a: x if a is None else jax.ShapeDtypeStruct(
             x.shape[:a] + (x.shape[a] // num_stages,) + x.shape[a + 1:], x.dtype),

@@ -24,8 +24,7 @@ import sys
 import time
 
 from jaxpipe.cli._common import Parser, run_reported
-from jaxpipe.data import prepare_files
-from jaxpipe.data._prepare import name_some
+from jaxpipe.data import name_some, prepare_files
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,15 +21,17 @@ used, so this package imports without them.
 """
 
 from jaxpipe.data._corpus import CORPORA, default_cache_dir, prepare_embedded
-from jaxpipe.data._format import FORMAT, VERSION, TokenData, TokenWriter, open_tokens, write_tokens
+from jaxpipe.data._format import (FORMAT, VERIFIED, VERSION, TokenData, TokenWriter, open_tokens,
+                                  scan_split, write_tokens)
 from jaxpipe.data._pipeline import eval_batches, train_dataset, train_iterator
-from jaxpipe.data._prepare import find_inputs, prepare_files
-from jaxpipe.data._tokenizers import ENDOFTEXT, Tokenizer, get_tokenizer
+from jaxpipe.data._prepare import find_inputs, name_some, prepare_files
+from jaxpipe.data._tokenizers import BUILTIN_TOKENIZERS, ENDOFTEXT, Tokenizer, get_tokenizer
 
 __all__ = [
-    "FORMAT", "VERSION", "TokenData", "TokenWriter", "open_tokens", "write_tokens",
-    "Tokenizer", "get_tokenizer", "ENDOFTEXT",
+    "FORMAT", "VERSION", "VERIFIED", "TokenData", "TokenWriter", "open_tokens", "write_tokens",
+    "scan_split",
+    "Tokenizer", "get_tokenizer", "ENDOFTEXT", "BUILTIN_TOKENIZERS",
     "CORPORA", "prepare_embedded", "default_cache_dir",
-    "prepare_files", "find_inputs",
+    "prepare_files", "find_inputs", "name_some",
     "train_dataset", "train_iterator", "eval_batches",
 ]

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from jaxpipe.data._tokenizers import BUILTIN_TOKENIZERS
 from jaxpipe.errors import DataError
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ VERSION = 1
 META = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-_BUILTIN_TOKENIZERS = ("byte", "gpt2")
 # Elements per pass of the verification: 64 MiB of uint32, so a file of any size
 # streams through a bounded amount of memory. The chunk size hardly matters:
 # sha256 runs at about 1.3 GB/s, the max at 10-15 GB/s, for chunks of 64K-16M.
@@ -151,7 +151,7 @@ class TokenData:
     """Returns the `Tokenizer` this dataset was built with."""
     from jaxpipe.data._tokenizers import get_tokenizer  # pylint: disable=g-import-not-at-top
     spec = self.tokenizer
-    if spec not in _BUILTIN_TOKENIZERS:
+    if spec not in BUILTIN_TOKENIZERS:
       local = os.path.join(self.path, spec)
       spec = local if os.path.exists(local) else spec
     return get_tokenizer(spec)
@@ -207,7 +207,7 @@ def _validate_meta(meta_path: str, meta: Any) -> dict[str, Any]:
   return meta
 
 
-def _scan(data: TokenData, name: str) -> int:
+def scan_split(data: TokenData, name: str) -> int:
   """Reads split `name` once in chunks and returns its largest id (0 when empty).
 
   In the same pass it hashes the bytes; it raises DataError at the first id
@@ -280,7 +280,7 @@ def _verify(data: TokenData, name: str, st: os.stat_result, cached: Any,
   """Checks split `name` (whose file has stat `st`) unless `cached` vouches for it.
 
   Returns the record to keep for it: `cached` itself on a hit, else a new one
-  after `_scan`.
+  after `scan_split`.
   """
   record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
             "ino": st.st_ino, "dtype": data.meta["dtype"],
@@ -293,7 +293,7 @@ def _verify(data: TokenData, name: str, st: os.stat_result, cached: Any,
       and st.st_mtime_ns < cached_mtime_ns and _is_int(cached.get("max_id"))
       and cached["max_id"] < data.vocab_size):
     return cached
-  record["max_id"] = _scan(data, name)
+  record["max_id"] = scan_split(data, name)
   return record
 
 
@@ -433,7 +433,7 @@ class TokenWriter:
     self._done = False
     try:
       self._tokenizer = tokenizer
-      if tokenizer not in _BUILTIN_TOKENIZERS and os.path.isfile(tokenizer):
+      if tokenizer not in BUILTIN_TOKENIZERS and os.path.isfile(tokenizer):
         # Keep a user's tokenizer with the tokens, so the dataset decodes anywhere.
         shutil.copyfile(tokenizer, os.path.join(self._tmp, TOKENIZER_FILE))
         self._extra.setdefault("tokenizer_source", os.path.abspath(tokenizer))

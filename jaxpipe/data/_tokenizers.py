@@ -26,7 +26,10 @@ import numpy as np
 
 from jaxpipe.errors import DataError
 
-__all__ = ["Tokenizer", "get_tokenizer", "ENDOFTEXT"]
+__all__ = ["Tokenizer", "get_tokenizer", "ENDOFTEXT", "BUILTIN_TOKENIZERS"]
+
+# The tokenizers known by name; any other `data.tokenizer` is a tokenizer.json path.
+BUILTIN_TOKENIZERS = ("byte", "gpt2")
 
 ENDOFTEXT = "<|endoftext|>"
 # End-of-text tokens of common tokenizer families, in the order they are tried.
@@ -207,7 +210,7 @@ def get_tokenizer(spec: str) -> Tokenizer:
   A directory that holds a tokenizer.json (a Hugging Face model directory) works
   too. Raises DataError for anything else.
   """
-  if spec in ("byte", "gpt2"):
+  if spec in BUILTIN_TOKENIZERS:
     return _builtin(spec)
   path = os.path.expanduser(spec) if isinstance(spec, str) else ""
   if path and os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):

@@ -7,14 +7,18 @@ JAX; the model itself (flax) loads on first use of a name below.
 import importlib
 
 _LAZY = {
-    "blockwise_attention": "_attention",
-    "resolve_attention": "_attention",
-    "Block": "_llama", "Model": "_llama", "build": "_llama", "cross_entropy": "_llama",
+    "blockwise_attention": "_attention", "resolve_attention": "_attention",
+    "select_attention": "_attention", "attention_backend": "_attention",
+    "cudnn_attention": "_attention",
+    "Block": "_llama", "KVCache": "_llama", "Model": "_llama", "make_model": "_llama",
+    "cross_entropy": "_llama",
     "dtype_of": "_llama", "ffn_dim": "_llama", "flops_per_token": "_llama",
     "token_flops": "_llama", "TokenFlops": "_llama",
     "num_params": "_llama", "rotary": "_llama",
     "MoE": "_moe", "capacity": "_moe",
-    "ModelConfig": "_config", "MoEConfig": "_config",
+    "ModelConfig": "_config", "MoEConfig": "_config", "DtypeName": "_config",
+    "RematPolicy": "_config", "AttentionSetting": "_config", "DTYPE_NAMES": "_config",
+    "REMAT_POLICIES": "_config", "ATTENTION_SETTINGS": "_config",
 }
 
 __all__ = sorted(_LAZY)

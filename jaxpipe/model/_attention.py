@@ -12,7 +12,7 @@
   auto       cudnn where it can run, otherwise blockwise for sequences of
              more than AUTO_BLOCKWISE_ABOVE tokens, otherwise xla.
 
-`select` makes that choice from plain values (backend name, dtype, sequence
+`select_attention` makes that choice from plain values (backend name, dtype, sequence
 length, head size) so that it can be tested on any machine; `attention` asks
 the running backend and calls the implementation. `resolve_attention` is
 what a run does once at start-up: where the choice is cuDNN it compiles and
@@ -37,12 +37,13 @@ import numpy as np
 from jax import lax
 
 from jaxpipe.errors import ConfigError
-from jaxpipe.model._config import ModelConfig
+from jaxpipe.model._config import ATTENTION_SETTINGS, ModelConfig
 
-__all__ = ["SETTINGS", "BLOCK_SIZE", "AUTO_BLOCKWISE_ABOVE", "attention", "backend",
-           "blockwise_attention", "cached_attention", "select", "cudnn_failure", "resolve_attention"]
+__all__ = ["SETTINGS", "BLOCK_SIZE", "AUTO_BLOCKWISE_ABOVE", "attention", "attention_backend",
+           "blockwise_attention", "cached_attention", "cudnn_attention", "select_attention",
+           "cudnn_failure", "resolve_attention"]
 
-SETTINGS = ("auto", "xla", "blockwise", "cudnn")
+SETTINGS = ATTENTION_SETTINGS
 
 # Query and key rows per block. The live working set of one step of the loops
 # is a few [batch, heads, 128, 128] float32 score blocks (9 MiB each at 16
@@ -69,7 +70,7 @@ _CUDNN_DTYPES = ("bfloat16", "float16")
 _CUDNN_MAX_HEAD_DIM = 128
 
 
-def backend() -> str:
+def attention_backend() -> str:
   """The running backend's name, with NVIDIA GPUs told apart: cuda, rocm, cpu, tpu, ..."""
   name = jax.default_backend()
   if name in ("gpu", "cuda"):
@@ -89,12 +90,12 @@ def _cudnn_refusal(backend_name: str, dtype_name: str) -> str | None:
   return None
 
 
-def select(setting: str, *, backend: str, dtype, seq_len: int, head_dim: int) -> str:
+def select_attention(setting: str, *, backend: str, dtype, seq_len: int, head_dim: int) -> str:
   """The implementation (xla, blockwise or cudnn) that `model.attention=setting` means here.
 
   Args:
     setting: auto, xla, blockwise or cudnn.
-    backend: a name as `backend()` returns it ("cuda" for NVIDIA GPUs).
+    backend: a name as `attention_backend()` returns it ("cuda" for NVIDIA GPUs).
     dtype: the dtype of q, k and v (the compute dtype).
     seq_len: tokens per sequence.
     head_dim: size of one attention head.
@@ -127,14 +128,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, setting: str = "auto") -
   q: [batch, seq, n_heads, head_dim]; k, v: [batch, seq, n_kv_heads,
   head_dim]; returns [batch, seq, n_heads, head_dim] in q's dtype.
   """
-  impl = select(setting, backend=backend(), dtype=q.dtype, seq_len=q.shape[1],
-                head_dim=q.shape[-1])
+  impl = select_attention(setting, backend=attention_backend(), dtype=q.dtype,
+                          seq_len=q.shape[1], head_dim=q.shape[-1])
   if impl == "blockwise":
     return blockwise_attention(q, k, v)
   if impl == "xla":
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
   try:
-    return _cudnn(q, k, v)
+    return cudnn_attention(q, k, v)
   except NotImplementedError as e:
     # cuDNN's own shape checks (head size, architecture) run while tracing.
     reason = " ".join(str(e).split())  # one line, as the trainer prints it
@@ -142,7 +143,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, setting: str = "auto") -
                       "model.attention=blockwise or xla") from None
 
 
-def _cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   """cuDNN's fused causal attention (JAX's `implementation="cudnn"`)."""
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
@@ -168,7 +169,7 @@ def cudnn_failure(batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_
   try:
     q = jnp.zeros((batch, seq_len, n_heads, head_dim), dtype)
     kv = jnp.zeros((batch, seq_len, n_kv_heads, head_dim), dtype)
-    loss = lambda q, k, v: _cudnn(q, k, v).astype(jnp.float32).sum()
+    loss = lambda q, k, v: cudnn_attention(q, k, v).astype(jnp.float32).sum()
     jax.block_until_ready(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
   except Exception as e:  # pylint: disable=broad-exception-caught
     return _one_line(e)
@@ -179,7 +180,7 @@ def resolve_attention(cfg: ModelConfig, rows: int,
                       seq_len: int) -> tuple[ModelConfig, Optional[str]]:
   """`cfg` with model.attention as it can run here on [rows, seq_len] inputs, and a note.
 
-  Where `select` picks cuDNN (an NVIDIA GPU, a half-precision compute dtype),
+  Where `select_attention` picks cuDNN (an NVIDIA GPU, a half-precision compute dtype),
   cuDNN's forward and backward are tried once on these shapes
   (`cudnn_failure`). If they fail, `auto` becomes `blockwise` (memory linear
   in the sequence, like cuDNN's) and the note says why in one line; an
@@ -194,7 +195,8 @@ def resolve_attention(cfg: ModelConfig, rows: int,
   """
   head_dim = cfg.dim // cfg.n_heads
   dtype = jnp.dtype(cfg.compute_dtype).name
-  impl = select(cfg.attention, backend=backend(), dtype=dtype, seq_len=seq_len, head_dim=head_dim)
+  impl = select_attention(cfg.attention, backend=attention_backend(), dtype=dtype,
+                          seq_len=seq_len, head_dim=head_dim)
   if impl != "cudnn":
     return cfg, None
   why = cudnn_failure(rows, seq_len, cfg.n_heads, cfg.n_kv_heads, head_dim, dtype)

@@ -7,8 +7,22 @@ sections, and the model builds from them.
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import Literal
 
-__all__ = ["ModelConfig", "MoEConfig"]
+__all__ = ["ModelConfig", "MoEConfig", "DtypeName", "RematPolicy", "AttentionSetting",
+           "DTYPE_NAMES", "REMAT_POLICIES", "ATTENTION_SETTINGS"]
+
+# The floating dtypes weights and activations may take, by JAX's names.
+DtypeName = Literal["float32", "bfloat16", "float16"]
+# What a block's backward recomputes: nothing kept but its input (full), or all but the matmuls (dots).
+RematPolicy = Literal["none", "full", "dots"]
+# The attention implementations `jaxpipe.model.select_attention` chooses among.
+AttentionSetting = Literal["auto", "xla", "blockwise", "cudnn"]
+
+DTYPE_NAMES: tuple[str, ...] = typing.get_args(DtypeName)
+REMAT_POLICIES: tuple[str, ...] = typing.get_args(RematPolicy)
+ATTENTION_SETTINGS: tuple[str, ...] = typing.get_args(AttentionSetting)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,14 +46,14 @@ class ModelConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   init_std: float = 0.02
-  remat: str = "none"            # inside each block: none | full (recompute all) | dots (keep matmul outputs)
-  param_dtype: str = "float32"   # master weights and optimizer state
-  compute_dtype: str = "float32" # matmuls and activations (bfloat16 on accelerators)
-  # auto | xla | blockwise | cudnn. xla keeps [batch, heads, seq, seq]
+  remat: RematPolicy = "none"            # inside each block: none | full (recompute all) | dots (keep matmul outputs)
+  param_dtype: DtypeName = "float32"   # master weights and optimizer state
+  compute_dtype: DtypeName = "float32" # matmuls and activations (bfloat16 on accelerators)
+  # xla keeps [batch, heads, seq, seq]
   # probabilities for the backward; blockwise and cudnn (NVIDIA GPUs, bf16/fp16)
   # keep memory linear in seq; auto = cudnn where it runs, else blockwise above
   # 1024 tokens, else xla (jaxpipe/model/_attention.py).
-  attention: str = "auto"
+  attention: AttentionSetting = "auto"
   # Tokens whose float32 logits the head and loss compute at once; the
   # backward recomputes each chunk's. 0 = a whole microbatch's at once
   # (rows x seq x vocab x 4 bytes, kept for the backward).

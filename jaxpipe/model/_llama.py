@@ -14,7 +14,7 @@ the stacked blocks, and `logits` (the final norm and the output layer, on any
 slice of the vocabulary); `vocab_axes` says which axis of each non-block leaf
 is the vocabulary. The model knows nothing of meshes: a Mixture-of-Experts
 layer given a slice of the experts sends tokens to them through an exchange
-function its caller passes to `build` (expert parallelism).
+function its caller passes to `make_model` (expert parallelism).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.model._config import ModelConfig
+from jaxpipe.model._config import DTYPE_NAMES, ModelConfig
 from jaxpipe.model import _attention, _moe
 # The one cross-entropy, shared with the pipeline (see jaxpipe/xent.py);
 # `cross_entropy` is also this package's public name for it.
@@ -34,13 +34,15 @@ from jaxpipe.xent import chunked_cross_entropy, cross_entropy
 
 Params = Any
 
-__all__ = ["Model", "Block", "KVCache", "build", "ffn_dim", "dtype_of", "num_params",
+__all__ = ["Model", "Block", "KVCache", "make_model", "ffn_dim", "dtype_of", "num_params",
            "flops_per_token", "token_flops", "TokenFlops", "cross_entropy"]
 
 
 def dtype_of(name: str) -> jnp.dtype:
-  """Maps a config dtype name to a JAX dtype."""
-  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+  """Maps a config dtype name (one of `DTYPE_NAMES`) to a JAX dtype."""
+  if name not in DTYPE_NAMES:
+    raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+  return jnp.dtype(name)
 
 
 def ffn_dim(cfg: ModelConfig) -> int:
@@ -96,7 +98,7 @@ class Attention(nn.Module):
   """Causal grouped-query self-attention with rotary embeddings.
 
   The attention itself is the implementation `cfg.attention` selects
-  (`_attention.select`): XLA's, cuDNN's, or the blockwise one whose memory is
+  (`_attention.select_attention`): XLA's, cuDNN's, or the blockwise one whose memory is
   linear in the sequence length.
 
   Called as (x, positions, cache) it decodes instead: the tokens of x sit at
@@ -222,7 +224,7 @@ def _expert_axes(blocks: Params) -> Any:
   return jax.tree_util.tree_map_with_path(axis, blocks)
 
 
-def build(cfg: ModelConfig,
+def make_model(cfg: ModelConfig,
           exchange: Optional[Callable[[jax.Array], jax.Array]] = None) -> Model:
   """Returns the model's pure functions for a config whose vocab_size is set.
 

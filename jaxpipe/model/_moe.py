@@ -87,8 +87,8 @@ class MoE(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg, m = self.cfg, self.cfg.moe
-    cd = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-    compute, param = cd[cfg.compute_dtype], cd[cfg.param_dtype]
+    # JAX's names are the config's (`DTYPE_NAMES`, checked by the config).
+    compute, param = jnp.dtype(cfg.compute_dtype), jnp.dtype(cfg.param_dtype)
     e, k = m.num_experts, m.top_k
     hidden = m.ffn_dim or cfg.ffn_dim or 32 * math.ceil(8 * cfg.dim / 3 / 32)
     b, t, d = x.shape

@@ -7,7 +7,8 @@ pipelines, so other JAX projects can use it on its own.
 
 - `muon`, `adamw`, `lion`, `adan`, `sgd`: optimizers with one grouping
   convention (`param_labels`, `weight_decay_mask`): Muon on hidden matrices
-  (stacked ones included), AdamW elsewhere, no decay on norms and biases.
+  (stacked ones included), AdamW elsewhere, no decay on norms and biases;
+  `scale_by_muon` is Muon's direction and scale alone.
 - `mars`, `normuon`: MARS-AdamW (variance-reduced gradients) and NorMuon
   (Muon with a per-neuron second moment); `muon(ns_coeffs="polar_express")`
   takes Polar Express's per-step Newton-Schulz coefficients.
@@ -17,7 +18,7 @@ pipelines, so other JAX projects can use it on its own.
 - `error_feedback(inner, coeff)`: the optimizer-agnostic correction for them.
 - `weight_prediction(inner, steps)` with `predicted_params(params, state)`:
   the other correction, gradients taken at extrapolated weights.
-- `learning_rate_schedule(cfg, total_steps)` and `build(cfg, total_steps)`:
+- `learning_rate_schedule(cfg, total_steps)` and `make_optimizer(cfg, total_steps)`:
   the whole chain from a config, `delay(error_feedback(clip + optimizer))`.
 
 Reference: Zmushko et al., "One-Step Gradient Delay is Not a Barrier for
@@ -25,7 +26,7 @@ Large-Scale Asynchronous Pipeline Parallel LLM Pretraining", arXiv 2606.30634,
 2026.
 """
 
-from jaxpipe.optim._build import build
+from jaxpipe.optim._build import make_optimizer
 from jaxpipe.optim._build import learning_rate_schedule
 from jaxpipe.optim._adan import adan
 from jaxpipe.optim._adan import AdanState
@@ -49,6 +50,7 @@ from jaxpipe.optim._optimizers import lion
 from jaxpipe.optim._optimizers import muon
 from jaxpipe.optim._optimizers import NS_COEFFS
 from jaxpipe.optim._optimizers import POLAR_EXPRESS_COEFFS
+from jaxpipe.optim._optimizers import scale_by_muon
 from jaxpipe.optim._optimizers import sgd
 from jaxpipe.optim._prediction import predicted_params
 from jaxpipe.optim._prediction import PredictionState
@@ -77,11 +79,11 @@ __all__ = [
     "VECTOR_NAMES",
     "adamw",
     "adan",
-    "build",
     "delay",
     "error_feedback",
     "learning_rate_schedule",
     "lion",
+    "make_optimizer",
     "mars",
     "mars_labels",
     "muon",
@@ -91,6 +93,7 @@ __all__ = [
     "predicted_params",
     "scale_by_adan",
     "scale_by_mars",
+    "scale_by_muon",
     "scale_by_neuron_rms",
     "scale_by_soap",
     "sgd",

@@ -134,7 +134,7 @@ def adan(
   """
   if form not in ADAN_FORMS:
     raise ValueError(f"adan form must be one of {', '.join(ADAN_FORMS)}, got {form!r}")
-  mask = _optimizers._mask_or_default(weight_decay_mask)  # pylint: disable=protected-access
+  mask = _optimizers.mask_or_default(weight_decay_mask)
   if form == "optax":
     inner = optax.adan(learning_rate, b1=b1, b2=b2, b3=b3, eps=eps, weight_decay=weight_decay,
                        mask=mask)
@@ -142,4 +142,4 @@ def adan(
     inner = optax.chain(scale_by_adan(b1, b2, b3, eps),
                         optax.add_decayed_weights(weight_decay, mask),
                         optax.scale_by_learning_rate(learning_rate))
-  return _optimizers._dtype_stable(inner)  # pylint: disable=protected-access
+  return _optimizers.dtype_stable(inner)

@@ -110,7 +110,7 @@ def learning_rate_schedule(
   return optax.join_schedules(pieces, boundaries)
 
 
-def build(
+def make_optimizer(
     cfg: OptimizerConfig, total_steps: int,
 ) -> optax.GradientTransformation:
   r"""The whole optimizer of a run, from the `optimizer` section of a config.

@@ -174,7 +174,7 @@ def mars(
   - The clip to norm 1 is the paper's `Clip(c_t, 1)`, per tensor as in its
     code: here per matrix, so each matrix of a stacked leaf [L, m, n] is
     clipped alone (`clip_threshold`, None = off). It comes on top of any
-    global clip of the raw gradient (`build` keeps `clip_norm`).
+    global clip of the raw gradient (`make_optimizer` keeps `clip_norm`).
   - Grouping: MARS on every matrix, embeddings and output head included
     (`mars_labels`, the paper code's 2-D rule); AdamW with `adam_b1`,
     `adam_b2` (the code's 0.9, 0.95) on norms and biases. Decay follows
@@ -231,11 +231,11 @@ def mars(
     Asynchronous Pipeline Parallel LLM Pretraining
     <https://arxiv.org/abs/2606.30634>`_, 2026
   """
-  labels = _optimizers._checked_labels(  # pylint: disable=protected-access
+  labels = _optimizers.checked_labels(
       param_labels, main="mars", default=mars_labels)
   direction = scale_by_mars(
       gamma=gamma, b1=b1, b2=b2, eps=eps, clip_threshold=clip_threshold)
-  return _optimizers._with_adamw(  # pylint: disable=protected-access
+  return _optimizers.with_adamw(
       direction, labels, main_label="mars", learning_rate=learning_rate,
       adam_learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
       mu_dtype=None, weight_decay=weight_decay,

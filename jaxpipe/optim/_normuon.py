@@ -61,8 +61,8 @@ def scale_by_neuron_rms(
 
   def axes(x, dims):
     # Reduction axes, and reduction + output axes, both normalised.
-    red = _optimizers._axes(x.ndim, dims.reduction_axis)  # pylint: disable=protected-access
-    out = _optimizers._axes(x.ndim, dims.output_axis)  # pylint: disable=protected-access
+    red = _optimizers.wrap_axes(x.ndim, dims.reduction_axis)
+    out = _optimizers.wrap_axes(x.ndim, dims.output_axis)
     return red, red + out
 
   def init_fn(params):
@@ -86,7 +86,7 @@ def scale_by_neuron_rms(
 
     def normalised(o, nu, d):
       o_hat = o.astype(nu.dtype) / (jnp.sqrt(nu) + eps)
-      fan_in, fan_out = _optimizers._fans(o.shape, d)  # pylint: disable=protected-access
+      fan_in, fan_out = _optimizers.fans(o.shape, d)
       norm = jnp.sqrt(jnp.sum(jnp.square(o_hat), axis=axes(o, d)[1],
                               keepdims=True))
       o_hat = o_hat * (math.sqrt(min(fan_in, fan_out)) / (norm + eps))
@@ -188,17 +188,17 @@ def normuon(
     Asynchronous Pipeline Parallel LLM Pretraining
     <https://arxiv.org/abs/2606.30634>`_, 2026
   """
-  # pylint: disable=protected-access
-  dims_fn = _optimizers._dims_fn(dimension_numbers)
+
+  dims_fn = _optimizers.dims_fn_of(dimension_numbers)
   matrix = optax.chain(
-      _optimizers._orthogonalised_momentum(
+      _optimizers.orthogonalised_momentum(
           dims_fn, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
           ns_coeffs=ns_coeffs, eps=eps, mu_dtype=mu_dtype),
       scale_by_neuron_rms(dims_fn, b2=neuron_b2, eps=eps),
-      _optimizers._scale_by_shape(dims_fn, consistent_rms),
+      _optimizers.scale_by_shape(dims_fn, consistent_rms),
   )
-  return _optimizers._with_adamw(
-      matrix, _optimizers._checked_labels(param_labels), main_label="muon",
+  return _optimizers.with_adamw(
+      matrix, _optimizers.checked_labels(param_labels), main_label="muon",
       learning_rate=learning_rate, adam_learning_rate=adam_learning_rate,
       b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype, weight_decay=weight_decay,
       weight_decay_mask=weight_decay_mask)

@@ -23,7 +23,7 @@ from optax.contrib import MuonDimensionNumbers
 from jaxpipe.optim import _grouping
 
 __all__ = [
-    "NS_COEFFS", "POLAR_EXPRESS_COEFFS", "adamw", "lion", "muon", "sgd",
+    "NS_COEFFS", "POLAR_EXPRESS_COEFFS", "adamw", "lion", "muon", "scale_by_muon", "sgd",
 ]
 
 # Quintic Newton-Schulz coefficients of Jordan's Muon: they maximise the slope
@@ -74,7 +74,7 @@ Mask = Any | Callable[[optax.Params], Any]
 ScalarOrSchedule = float | jax.Array | optax.Schedule
 
 
-def _dtype_stable(
+def dtype_stable(
     inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
   """Returns updates in the gradients' dtypes and state in its init dtypes.
@@ -98,24 +98,28 @@ def _dtype_stable(
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
-def _mask_or_default(mask: Mask | None) -> Mask:
+def mask_or_default(mask: Mask | None) -> Mask:
+  """The weight-decay mask given, or the house's (no decay on norms and biases) for None."""
   return _grouping.weight_decay_mask if mask is None else mask
 
 
-def _axes(ndim: int, axes: int | Sequence[int]) -> tuple[int, ...]:
+def wrap_axes(ndim: int, axes: int | Sequence[int]) -> tuple[int, ...]:
+  """`axes` (one or several, negative allowed) as non-negative axes of a rank-`ndim` array."""
   axes = (axes,) if isinstance(axes, int) else tuple(axes)
   return tuple(a % ndim for a in axes)
 
 
-def _fans(
+def fans(
     shape: tuple[int, ...], dims: MuonDimensionNumbers,
 ) -> tuple[int, int]:
-  fan_in = math.prod(shape[a] for a in _axes(len(shape), dims.reduction_axis))
-  fan_out = math.prod(shape[a] for a in _axes(len(shape), dims.output_axis))
+  """(fan in, fan out) of a matrix-like leaf: its reduction and output axes' sizes multiplied."""
+  fan_in = math.prod(shape[a] for a in wrap_axes(len(shape), dims.reduction_axis))
+  fan_out = math.prod(shape[a] for a in wrap_axes(len(shape), dims.output_axis))
   return fan_in, fan_out
 
 
-def _dims_fn(dimension_numbers: Any) -> Callable[[Any], Any]:
+def dims_fn_of(dimension_numbers: Any) -> Callable[[Any], Any]:
+  """A params -> per-leaf `MuonDimensionNumbers` rule from a rule, one value, or None (matrices)."""
   if dimension_numbers is None:
     dimension_numbers = _MATRIX_DIMS
   if callable(dimension_numbers):
@@ -125,13 +129,13 @@ def _dims_fn(dimension_numbers: Any) -> Callable[[Any], Any]:
   return lambda tree: jax.tree.map(lambda _: dimension_numbers, tree)
 
 
-def _scale_by_shape(
+def scale_by_shape(
     dims_fn: Callable[[Any], Any], consistent_rms: float | jax.Array | None,
 ) -> optax.GradientTransformation:
   """Multiplies each orthogonalised update by a factor from its matrix shape."""
 
   def scale(u, dims):
-    fan_in, fan_out = _fans(u.shape, dims)
+    fan_in, fan_out = fans(u.shape, dims)
     if consistent_rms is None:
       factor = math.sqrt(max(1.0, fan_out / fan_in))
     else:
@@ -184,7 +188,7 @@ def _ns_schedule(ns_coeffs: str | Sequence[Any], ns_steps: int) -> Any:
   return rows[:steps] + rows[-1:] * max(0, steps - len(rows))
 
 
-def _checked_labels(
+def checked_labels(
     labels: Any, *, main: str = "muon",
     default: Callable[[Any], Any] = _grouping.param_labels,
 ) -> Callable[[Any], Any]:
@@ -211,7 +215,7 @@ def _checked_labels(
   return resolved
 
 
-def _with_adamw(
+def with_adamw(
     main: optax.GradientTransformation,
     labels: Callable[[Any], Any],
     *,
@@ -244,10 +248,10 @@ def _with_adamw(
           "adam": optax.scale_by_learning_rate(adam_learning_rate),
       },
       labels)
-  return _dtype_stable(optax.chain(
+  return dtype_stable(optax.chain(
       direction,
       optax.add_decayed_weights(
-          weight_decay, _mask_or_default(weight_decay_mask)),
+          weight_decay, mask_or_default(weight_decay_mask)),
       step_size,
   ))
 
@@ -287,7 +291,7 @@ def _orthogonalise(x: jax.Array, dims: MuonDimensionNumbers, coeffs, steps, eps)
   each batch axis with its own `jax.vmap` keeps each matrix on the device
   that holds it.
   """
-  red, out = _axes(x.ndim, dims.reduction_axis), _axes(x.ndim, dims.output_axis)
+  red, out = wrap_axes(x.ndim, dims.reduction_axis), wrap_axes(x.ndim, dims.output_axis)
   batch = tuple(a for a in range(x.ndim) if a not in red + out)
   order = batch + red + out
   shaped = jnp.transpose(x, order)
@@ -300,7 +304,7 @@ def _orthogonalise(x: jax.Array, dims: MuonDimensionNumbers, coeffs, steps, eps)
   return jnp.transpose(y, np.argsort(order))
 
 
-def _orthogonalised_momentum(
+def orthogonalised_momentum(
     dims_fn: Callable[[Any], Any],
     *,
     momentum: float | jax.Array,
@@ -364,8 +368,7 @@ def muon(
     mu_dtype: Any | None = None,
     param_labels: Any | None = None,
     weight_decay_mask: Mask | None = None,
-    dimension_numbers: (
-        MuonDimensionNumbers | Callable[[Any], Any] | None) = None,
+    dimension_numbers: MuonDimensionNumbers | Callable[[Any], Any] | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon for hidden matrices, AdamW for embeddings, head, norms and biases.
 
@@ -378,22 +381,13 @@ def muon(
     W[t+1] = W[t] - \eta\,(0.2 \sqrt{\max(m, n)}\; O[t] + \lambda W[t]),
 
   where hats are optax's bias corrections, NS_5 is five quintic Newton-Schulz
-  steps with coefficients (3.4445, -4.7750, 2.0315) on the Frobenius-normalised
-  matrix (singular values end in roughly [0.7, 1.2], not exactly 1: the
-  coefficients trade exactness for speed; `ns_coeffs="polar_express"` takes
-  a different quintic per step instead, Amsel et al. 2025, whose 5 steps end
-  much closer to 1), m x n is the matrix shape, eta the
-  learning rate and lambda the decoupled weight decay. All other leaves take
+  steps (`scale_by_muon`: the direction and its scale), m x n is the matrix
+  shape, eta the learning rate and lambda the decoupled weight decay. All other leaves take
   AdamW, `W -= eta_adam (m_hat / (sqrt(v_hat) + eps) + lambda W)`, without
   decay on norms and biases.
 
-  Update scale (a choice): `consistent_rms=0.2` multiplies the orthogonalised
-  update by `0.2 * sqrt(max(m, n))`, which gives it an RMS of about 0.2, close
-  to AdamW's (Liu et al. 2025). So one learning rate and one weight decay serve
-  both groups: `adam_learning_rate` defaults to `learning_rate`, and rates
-  tuned for AdamW carry over. `consistent_rms=None` selects Jordan's scale
-  `sqrt(max(1, n / m))` instead, under which Muon wants a rate near 0.02 and
-  AdamW a separate one near 3e-3.
+  Update scale (a choice, `scale_by_muon`): the default RMS of about 0.2 lets
+  one learning rate and one weight decay serve both groups.
 
   Which leaves are hidden matrices: `param_labels` (default
   `jaxpipe.optim.param_labels`, a rule on paths and shapes). Stacked weights
@@ -419,11 +413,7 @@ def muon(
     momentum: Muon's momentum beta.
     nesterov: Nesterov momentum for Muon.
     ns_steps: Newton-Schulz iterations.
-    ns_coeffs: `"jordan"` (`NS_COEFFS` at every step), `"polar_express"`
-      (`POLAR_EXPRESS_COEFFS`, one row per step, with the paper's 1.01
-      normalisation folded into the first), one (a, b, c) for every step, or
-      a sequence of them, one per step (the last repeats if `ns_steps` is
-      larger; extra rows are ignored).
+    ns_coeffs: the Newton-Schulz coefficients (see `scale_by_muon`).
     weight_decay: decoupled decay lambda, multiplied by each group's rate.
     b1: AdamW's first-moment decay.
     b2: AdamW's second-moment decay.
@@ -464,18 +454,73 @@ def muon(
     Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_,
     2025
   """
-  dims_fn = _dims_fn(dimension_numbers)
-  matrix = optax.chain(
-      _orthogonalised_momentum(
-          dims_fn, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-          ns_coeffs=ns_coeffs, eps=eps, mu_dtype=mu_dtype),
-      _scale_by_shape(dims_fn, consistent_rms),
-  )
-  return _with_adamw(
-      matrix, _checked_labels(param_labels), main_label="muon",
+  matrix = scale_by_muon(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                         ns_coeffs=ns_coeffs, eps=eps, consistent_rms=consistent_rms,
+                         mu_dtype=mu_dtype, dimension_numbers=dimension_numbers)
+  return with_adamw(
+      matrix, checked_labels(param_labels), main_label="muon",
       learning_rate=learning_rate, adam_learning_rate=adam_learning_rate,
       b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype, weight_decay=weight_decay,
       weight_decay_mask=weight_decay_mask)
+
+
+def scale_by_muon(
+    *,
+    momentum: float | jax.Array = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coeffs: str | Sequence[Any] = "jordan",
+    eps: float | jax.Array = 1e-8,
+    consistent_rms: float | jax.Array | None = 0.2,
+    mu_dtype: Any | None = None,
+    dimension_numbers: (
+        MuonDimensionNumbers | Callable[[Any], Any] | None) = None,
+) -> optax.GradientTransformation:
+  r"""Muon's direction and its scale for hidden matrices: `muon` without its AdamW group.
+
+  .. math::
+    O[t] = s(m, n)\;\mathrm{NS}_5(eta \hat M[t] + (1-eta) \hat G[t])
+
+  (Nesterov; `nesterov=False` orthogonalises the bias-corrected momentum
+  itself), each matrix of a stack on its own. NS_5 is five quintic
+  Newton-Schulz steps with coefficients (3.4445, -4.7750, 2.0315) on the
+  Frobenius-normalised matrix (singular values end in roughly [0.7, 1.2], not
+  exactly 1: the coefficients trade exactness for speed;
+  `ns_coeffs="polar_express"` takes a different quintic per step instead,
+  Amsel et al. 2025, whose 5 steps end much closer to 1).
+
+  Update scale s(m, n) (a choice): `consistent_rms=0.2` multiplies the
+  orthogonalised update by `0.2 * sqrt(max(m, n))`, which gives it an RMS of
+  about 0.2, close to AdamW's (Liu et al. 2025). So one learning rate and one
+  weight decay serve both groups: `adam_learning_rate` defaults to
+  `learning_rate`, and rates tuned for AdamW carry over. `consistent_rms=None`
+  selects Jordan's scale `sqrt(max(1, n / m))` instead, under which Muon wants
+  a rate near 0.02 and AdamW a separate one near 3e-3.
+
+  Args:
+    momentum: the momentum beta.
+    nesterov: Nesterov momentum.
+    ns_steps: Newton-Schulz iterations.
+    ns_coeffs: `"jordan"` (`NS_COEFFS` at every step), `"polar_express"`
+      (`POLAR_EXPRESS_COEFFS`, one row per step, with the paper's 1.01
+      normalisation folded into the first), one (a, b, c) for every step, or
+      a sequence of them, one per step (the last repeats if `ns_steps` is
+      larger; extra rows are ignored).
+    eps: guards the normalisation.
+    consistent_rms: target RMS of the update, or None for Jordan's scale.
+    mu_dtype: dtype of the momentum.
+    dimension_numbers: as `muon`'s.
+
+  Returns:
+    An `optax.GradientTransformation` (no learning rate, no decay).
+  """
+  dims_fn = dims_fn_of(dimension_numbers)
+  return optax.chain(
+      orthogonalised_momentum(
+          dims_fn, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+          ns_coeffs=ns_coeffs, eps=eps, mu_dtype=mu_dtype),
+      scale_by_shape(dims_fn, consistent_rms),
+  )
 
 
 def adamw(
@@ -530,9 +575,9 @@ def adamw(
     Loshchilov and Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019
   """
-  return _dtype_stable(optax.adamw(
+  return dtype_stable(optax.adamw(
       learning_rate, b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype,
-      weight_decay=weight_decay, mask=_mask_or_default(weight_decay_mask),
+      weight_decay=weight_decay, mask=mask_or_default(weight_decay_mask),
       nesterov=nesterov))
 
 
@@ -580,9 +625,9 @@ def lion(
     Chen et al., `Symbolic Discovery of Optimization Algorithms
     <https://arxiv.org/abs/2302.06675>`_, 2023
   """
-  return _dtype_stable(optax.lion(
+  return dtype_stable(optax.lion(
       learning_rate, b1=b1, b2=b2, mu_dtype=mu_dtype, weight_decay=weight_decay,
-      mask=_mask_or_default(weight_decay_mask)))
+      mask=mask_or_default(weight_decay_mask)))
 
 
 def sgd(
@@ -625,11 +670,11 @@ def sgd(
     Asynchronous Pipeline Parallel LLM Pretraining
     <https://arxiv.org/abs/2606.30634>`_, 2026
   """
-  return _dtype_stable(optax.chain(
+  return dtype_stable(optax.chain(
       (optax.trace(decay=momentum, nesterov=nesterov,
                    accumulator_dtype=accumulator_dtype)
        if momentum is not None else optax.identity()),
       optax.add_decayed_weights(
-          weight_decay, _mask_or_default(weight_decay_mask)),
+          weight_decay, mask_or_default(weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),
   ))

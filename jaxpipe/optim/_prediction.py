@@ -118,25 +118,29 @@ def weight_prediction(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    def zeros(p):
-      dtype = p.dtype if buffer_dtype is None else jnp.dtype(buffer_dtype)
-      return jnp.zeros_like(p, dtype=dtype)
-    return PredictionState(
-        horizon=jnp.asarray(steps, jnp.float32),
-        prev_update=jax.tree.map(zeros, params),
-        inner_state=inner.init(params))
+    return PredictionState(horizon=jnp.asarray(steps, jnp.float32),
+                           prev_update=_update_buffer(params, buffer_dtype),
+                           inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    updates, inner_state = inner.update(updates, state.inner_state, params,
-                                        **extra_args)
-    prev = jax.tree.map(lambda u, b: u.astype(b.dtype), updates,
-                        state.prev_update)
-    return updates, PredictionState(
-        horizon=jnp.asarray(steps, jnp.float32),
-        prev_update=prev,
-        inner_state=inner_state)
+    updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    return updates, PredictionState(horizon=jnp.asarray(steps, jnp.float32),
+                                    prev_update=_in_dtypes_of(updates, state.prev_update),
+                                    inner_state=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update_buffer(params: optax.Params, buffer_dtype: Any | None) -> optax.Params:
+  """Zeros like `params`, in `buffer_dtype` where given: the last update, before any."""
+  def zeros(p):
+    return jnp.zeros_like(p, dtype=p.dtype if buffer_dtype is None else jnp.dtype(buffer_dtype))
+  return jax.tree.map(zeros, params)
+
+
+def _in_dtypes_of(updates: optax.Updates, buffer: optax.Updates) -> optax.Updates:
+  """`updates` cast leaf by leaf to the dtypes of `buffer` (the stored update's)."""
+  return jax.tree.map(lambda u, b: u.astype(b.dtype), updates, buffer)
 
 
 def predicted_params(params: optax.Params, opt_state: optax.OptState) -> Any:

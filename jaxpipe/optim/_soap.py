@@ -6,6 +6,7 @@ AdamW on the other leaves under the grouping of `_grouping`, as `muon` does.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -68,8 +69,8 @@ def _layout(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Permutation (batch, reduction, output axes) and the [*b, m, n] shape."""
   ndim = len(shape)
-  red = _optimizers._axes(ndim, dims.reduction_axis)
-  out = _optimizers._axes(ndim, dims.output_axis)
+  red = _optimizers.wrap_axes(ndim, dims.reduction_axis)
+  out = _optimizers.wrap_axes(ndim, dims.output_axis)
   if not red or not out or set(red) & set(out):
     raise ValueError(f"SOAP needs disjoint, non-empty reduction and output "
                      f"axes; got {dims} for shape {shape}")
@@ -213,8 +214,10 @@ def scale_by_soap(
     R \leftarrow \beta_s R + (1-\beta_s) G^T G;
 
   call 0 sets Q_L, Q_R to the eigenvectors of L, R (`eigh`, decreasing
-  eigenvalues) and returns a zero direction. Call t >= 1, before its own
-  L, R update:
+  eigenvalues) and returns a zero direction (rotating the first gradient into
+  its own eigenbasis would make it diagonal up to rounding, and Adam's
+  sign-like first step would amplify that rounding). Call t >= 1, before its
+  own L, R update:
 
   .. math::
     G' = Q_L^T G Q_R, \quad M \leftarrow \beta_1 M + (1-\beta_1) G, \quad
@@ -232,11 +235,23 @@ def scale_by_soap(
   State: `ScaleBySoapState`, all float32. Memory per m x n matrix:
   2 (m^2 + n^2) for the factors and bases plus 2 m n for the moments.
 
+  Reproducibility: where a factor has a repeated eigenvalue, above all the
+  null space that the first call leaves when a side is longer than the other
+  by two or more (an [in, out] = [D, 4D] kernel leaves R one of dimension
+  3D), any orthonormal basis of it is an eigenbasis; `eigh` (and later the
+  QR of near-zero columns) picks one by rounding, and the next sign-like Adam
+  step depends on it. Runs that differ only in rounding (another device,
+  mesh or fusion) can then drift apart faster than under AdamW, as with the
+  paper's code. Losses stay comparable; weights are not equal to float32
+  rounding.
+
   Args:
     b1: decay of the first moment.
     b2: decay of the rotated second moment.
     shampoo_beta: decay of the factors L and R.
-    eps: added to the denominator, after the bias correction (as optax).
+    eps: added to the denominator after the bias correction, `m_hat / (sqrt(v_hat) +
+      eps)` as optax's Adam (the paper's code adds it to `sqrt(v)` before, which is
+      this rule with `eps / sqrt(1 - b2^t)` for eps).
     precondition_frequency: calls between eigenbasis refreshes.
     max_precond_dim: sides longer than this are not rotated; None =
       `MAX_PRECOND_DIM` (10000, the paper's). It sets the state's shapes, so
@@ -254,101 +269,108 @@ def scale_by_soap(
     Vyas et al., `SOAP: Improving and Stabilizing Shampoo using Adam
     <https://arxiv.org/abs/2409.11321>`_, 2024
   """
-  dims_fn = _optimizers._dims_fn(dimension_numbers)
+  dims_fn = _optimizers.dims_fn_of(dimension_numbers)
   if isinstance(precondition_frequency, int) and precondition_frequency < 1:
-    raise ValueError(f"precondition_frequency must be >= 1, got "
-                     f"{precondition_frequency}")
-  f32 = jnp.float32
+    raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
 
   def init_fn(params):
     max_dim = (MAX_PRECOND_DIM if max_precond_dim is None
                else _static_int(max_precond_dim, "max_precond_dim"))
     if max_dim < 0:
       raise ValueError(f"max_precond_dim must be >= 0, got {max_dim}")
-
-    def init_leaf(p, dims):
-      # zeros_like keeps the parameter's sharding (default dimension numbers
-      # make the transpose and reshape no-ops).
-      mu = _to_matrices(jnp.zeros_like(p, dtype=f32), p.shape, dims)
-      batch, (m, n) = mu.shape[:-2], mu.shape[-2:]
-      side = lambda k: k if k <= max_dim else 0
-      factor = lambda k: jnp.zeros(batch + (side(k), side(k)), f32)
-      basis = lambda k: jnp.broadcast_to(jnp.eye(side(k), dtype=f32),
-                                         batch + (side(k), side(k)))
-      return mu, mu, factor(m), factor(n), basis(m), basis(n)
-
-    leaves = jax.tree.map(init_leaf, params, dims_fn(params))
-    return ScaleBySoapState(jnp.zeros([], jnp.int32),
-                            *_split(leaves, params, 6))
+    leaves = jax.tree.map(functools.partial(_init_leaf, max_dim=max_dim), params,
+                          dims_fn(params))
+    return ScaleBySoapState(jnp.zeros([], jnp.int32), *_split(leaves, params, 6))
 
   def update_fn(updates, state, params=None):
     del params
     dims = dims_fn(updates)
     beta1, beta2, beta_s, epsilon = (
-        jnp.asarray(x, f32) for x in (b1, b2, shampoo_beta, eps))
+        jnp.asarray(x, jnp.float32) for x in (b1, b2, shampoo_beta, eps))
     grads = jax.tree.map(
-        lambda g, d: _to_matrices(g.astype(f32), g.shape, d), updates, dims)
-    fields = (state.mu, state.nu, state.l_factor, state.r_factor, state.q_l,
-              state.q_r)
-
-    def first(operand):
-      # No basis exists before the first gradient, so (as the paper) this
-      # call only builds the preconditioner and its direction is zero.
-      grads, (mu, nu, l_f, r_f, _, _) = operand
-
-      def leaf(g, l_f, r_f):
-        l_f, r_f = _factors(g, l_f, r_f, beta_s)
-        return l_f, r_f, _eigenbasis(l_f), _eigenbasis(r_f)
-
-      l_f, r_f, q_l, q_r = _split(
-          jax.tree.map(leaf, grads, l_f, r_f), grads, 4)
-      return jax.tree.map(jnp.zeros_like, grads), (mu, nu, l_f, r_f, q_l, q_r)
-
-    def later(operand):
-      grads, (mu, nu, l_f, r_f, q_l, q_r) = operand
-      t = state.count.astype(f32)
-      bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
-
-      def leaf(g, mu, nu, l_f, r_f, q_l, q_r):
-        rotated = _project(g, q_l, q_r)
-        mu = beta1 * mu + (1 - beta1) * g
-        nu = beta2 * nu + (1 - beta2) * rotated * rotated
-        step = (_project(mu, q_l, q_r) / bc1) / (jnp.sqrt(nu / bc2) + epsilon)
-        l_f, r_f = _factors(g, l_f, r_f, beta_s)
-        return _project_back(step, q_l, q_r), mu, nu, l_f, r_f
-
-      direction, mu, nu, l_f, r_f = _split(
-          jax.tree.map(leaf, grads, mu, nu, l_f, r_f, q_l, q_r), grads, 5)
-
-      def refresh(operand):
-        nu, l_f, r_f, q_l, q_r = operand
-
-        def leaf(nu, l_f, r_f, q_l, q_r):
-          q_l, nu = _power_step(l_f, q_l, nu, axis=-2)
-          q_r, nu = _power_step(r_f, q_r, nu, axis=-1)
-          return nu, q_l, q_r
-
-        nu, q_l, q_r = _split(
-            jax.tree.map(leaf, nu, l_f, r_f, q_l, q_r), nu, 3)
-        return nu, l_f, r_f, q_l, q_r
-
-      nu, l_f, r_f, q_l, q_r = jax.lax.cond(
-          state.count % precondition_frequency == 0, refresh, lambda x: x,
-          (nu, l_f, r_f, q_l, q_r))
-      return direction, (mu, nu, l_f, r_f, q_l, q_r)
-
+        lambda g, d: _to_matrices(g.astype(jnp.float32), g.shape, d), updates, dims)
+    fields = (state.mu, state.nu, state.l_factor, state.r_factor, state.q_l, state.q_r)
+    later = functools.partial(_later_call, count=state.count, beta1=beta1, beta2=beta2,
+                              beta_s=beta_s, eps=epsilon,
+                              precondition_frequency=precondition_frequency)
     direction, fields = jax.lax.cond(
-        state.count == 0, first, later, (grads, fields))
+        state.count == 0, functools.partial(_first_call, beta_s=beta_s), later,
+        (grads, fields))
     direction = jax.tree.map(
         lambda u, g, d: _from_matrices(u, g.shape, d).astype(g.dtype),
         direction, updates, dims)
-    return direction, ScaleBySoapState(
-        optax.safe_increment(state.count), *fields)
+    return direction, ScaleBySoapState(optax.safe_increment(state.count), *fields)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _checked_labels(labels: Any) -> Callable[[Any], Any]:
+def _init_leaf(p: jax.Array, dims: MuonDimensionNumbers, *, max_dim: int) -> tuple:
+  """One leaf's (mu, nu, L, R, Q_L, Q_R) before any gradient, all float32."""
+  f32 = jnp.float32
+  # zeros_like keeps the parameter's sharding (default dimension numbers
+  # make the transpose and reshape no-ops).
+  mu = _to_matrices(jnp.zeros_like(p, dtype=f32), p.shape, dims)
+  batch, (m, n) = mu.shape[:-2], mu.shape[-2:]
+  side = lambda k: k if k <= max_dim else 0
+  factor = lambda k: jnp.zeros(batch + (side(k), side(k)), f32)
+  basis = lambda k: jnp.broadcast_to(jnp.eye(side(k), dtype=f32),
+                                     batch + (side(k), side(k)))
+  return mu, mu, factor(m), factor(n), basis(m), basis(n)
+
+
+def _first_call(operand, *, beta_s):
+  """Call 0: the factors and their eigenbases from the first gradient; a zero direction."""
+  # No basis exists before the first gradient, so (as the paper) this
+  # call only builds the preconditioner and its direction is zero.
+  grads, (mu, nu, l_f, r_f, _, _) = operand
+
+  def leaf(g, l_f, r_f):
+    l_f, r_f = _factors(g, l_f, r_f, beta_s)
+    return l_f, r_f, _eigenbasis(l_f), _eigenbasis(r_f)
+
+  l_f, r_f, q_l, q_r = _split(
+      jax.tree.map(leaf, grads, l_f, r_f), grads, 4)
+  return jax.tree.map(jnp.zeros_like, grads), (mu, nu, l_f, r_f, q_l, q_r)
+
+
+def _later_call(operand, *, count, beta1, beta2, beta_s, eps, precondition_frequency):
+  """Call t >= 1: Adam's direction in the current bases, then the factors' update and,
+  every `precondition_frequency` calls, the bases' refresh."""
+  grads, (mu, nu, l_f, r_f, q_l, q_r) = operand
+  t = count.astype(jnp.float32)
+  bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+
+  def leaf(g, mu, nu, l_f, r_f, q_l, q_r):
+    rotated = _project(g, q_l, q_r)
+    mu = beta1 * mu + (1 - beta1) * g
+    nu = beta2 * nu + (1 - beta2) * rotated * rotated
+    step = (_project(mu, q_l, q_r) / bc1) / (jnp.sqrt(nu / bc2) + eps)
+    l_f, r_f = _factors(g, l_f, r_f, beta_s)
+    return _project_back(step, q_l, q_r), mu, nu, l_f, r_f
+
+  direction, mu, nu, l_f, r_f = _split(
+      jax.tree.map(leaf, grads, mu, nu, l_f, r_f, q_l, q_r), grads, 5)
+  nu, l_f, r_f, q_l, q_r = jax.lax.cond(
+      count % precondition_frequency == 0, _refresh, lambda x: x,
+      (nu, l_f, r_f, q_l, q_r))
+  return direction, (mu, nu, l_f, r_f, q_l, q_r)
+
+
+def _refresh(operand):
+  """One power-iteration step of each basis from its factor (V's axes reordered with it)."""
+  nu, l_f, r_f, q_l, q_r = operand
+
+  def leaf(nu, l_f, r_f, q_l, q_r):
+    q_l, nu = _power_step(l_f, q_l, nu, axis=-2)
+    q_r, nu = _power_step(r_f, q_r, nu, axis=-1)
+    return nu, q_l, q_r
+
+  nu, q_l, q_r = _split(
+      jax.tree.map(leaf, nu, l_f, r_f, q_l, q_r), nu, 3)
+  return nu, l_f, r_f, q_l, q_r
+
+
+def checked_labels(labels: Any) -> Callable[[Any], Any]:
   """Resolves labels to 'soap' / 'adam', refusing SOAP leaves below 2-D."""
   labels = _grouping.param_labels if labels is None else labels
 
@@ -408,31 +430,18 @@ def soap(
 
   First call (as the paper): it only initialises L, R and the bases, so the
   hidden matrices move by the weight decay alone; Adam's moments and bias
-  correction start at the second call. (Rotating the first gradient into its
-  own eigenbasis would make it diagonal up to rounding, and Adam's sign-like
-  first step would amplify that rounding.) The AdamW leaves step from the
-  first call, exactly as `optax.adamw`.
+  correction start at the second call. The AdamW leaves step from the
+  first call, exactly as `optax.adamw`. (Why the zero first step: `scale_by_soap`.)
 
-  Reproducibility: where a factor has a repeated eigenvalue, above all the
-  null space that the first call leaves when a side is longer than the other
-  by two or more (an [in, out] = [D, 4D] kernel leaves R one of dimension
-  3D), any orthonormal basis of it is an eigenbasis; `eigh` (and later the
-  QR of near-zero columns) picks one by rounding, and the next sign-like Adam
-  step depends on it. Runs that differ only in rounding (another device,
-  mesh or fusion) can then drift apart faster than under AdamW, as with the
-  paper's code. Losses stay comparable; weights are not equal to float32
-  rounding.
+  Reproducibility under rounding (repeated eigenvalues): see `scale_by_soap`.
 
   Grouping as `muon`: `param_labels` (default `jaxpipe.optim.param_labels`,
   whose 'muon' leaves are SOAP's; 'soap' is accepted too) and
   `dimension_numbers` (last two axes (in, out); stacked layers [L, D, F] and
   experts [L, E, D, F] are preconditioned matrix by matrix).
 
-  Where this differs from the paper's code: eps is added after the bias
-  correction, `m_hat / (sqrt(v_hat) + eps)` as optax's Adam (the paper's
-  code adds it to `sqrt(v)` before, which is this rule with
-  `eps / sqrt(1 - b2^t)` for eps); the decay acts on the weights before the
-  step (optax's `add_decayed_weights`) rather than after it; the AdamW
+  Where this differs from the paper's code: eps (see `scale_by_soap`); the
+  decay acts on the weights before the step (optax's `add_decayed_weights`) rather than after it; the AdamW
   leaves take their first step on the first call.
 
   State: `(PartitionState{soap: ScaleBySoapState, adam: ScaleByAdamState},
@@ -485,10 +494,10 @@ def soap(
     Vyas et al., `SOAP: Improving and Stabilizing Shampoo using Adam
     <https://arxiv.org/abs/2409.11321>`_, 2024
   """
-  return _optimizers._with_adamw(  # pylint: disable=protected-access
+  return _optimizers.with_adamw(
       scale_by_soap(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
                     precondition_frequency=precondition_frequency,
                     max_precond_dim=max_precond_dim, dimension_numbers=dimension_numbers),
-      _checked_labels(param_labels), main_label="soap", learning_rate=learning_rate,
+      checked_labels(param_labels), main_label="soap", learning_rate=learning_rate,
       adam_learning_rate=adam_learning_rate, b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype,
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask)

@@ -9,22 +9,26 @@ on first use.
 
 import importlib
 
-from jaxpipe.pipeline._timetable import (PIPELINED, SCHEDULE_NAMES, Cell, Facts, StepPlan,
-                                         TickKind, Timetable, check_virtual_stages, facts,
-                                         layer_order, min_microbatches, stash_slots, step_plan,
-                                         timetable)
+from jaxpipe.pipeline._names import (LAYOUTS, PIPELINED, SCHEDULE_NAMES, STASH_MODES, Layout,
+                                     ScheduleName, StashMode, experts_split)
+from jaxpipe.pipeline._timetable import (Cell, Facts, StepPlan, TickKind, Timetable,
+                                         check_virtual_stages, facts, layer_order,
+                                         min_microbatches, stash_slots, step_plan, timetable)
 
 _LAZY = {
-    "StageFns": "_engine", "Engine": "_engine", "STASH_CHOICES": "_engine",
+    "StageFns": "_engine", "Engine": "_engine",
     "expert_exchange": "_engine", "PHASE": "_engine",
     "Schedule": "_schedules", "SyncState": "_schedules", "PipeDreamState": "_schedules",
     "TwoBWState": "_schedules", "InFlight": "_schedules", "Interleaved": "_schedules",
     "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",
-    "LAYOUTS": "_mesh", "axes_across_nodes": "_mesh",
+    "axes_across_nodes": "_mesh",
+    "residual_shapes": "_engine", "stage_tick": "_cost", "flops": "_cost",
+    "padded_vocab": "_vocab", "pad_vocab": "_vocab", "unpad_vocab": "_vocab",
 }
 
-__all__ = ["Cell", "Facts", "PIPELINED", "SCHEDULE_NAMES", "StepPlan", "TickKind", "Timetable",
+__all__ = ["Cell", "Facts", "LAYOUTS", "Layout", "PIPELINED", "SCHEDULE_NAMES", "STASH_MODES",
+           "ScheduleName", "StashMode", "StepPlan", "experts_split", "TickKind", "Timetable",
            "check_virtual_stages", "facts", "layer_order", "min_microbatches", "stash_slots",
            "step_plan", "timetable", *_LAZY]
 

@@ -20,8 +20,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe.pipeline import _vocab
-from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, _no_experts
+from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, no_experts
 from jaxpipe.pipeline._mesh import make_mesh
+from jaxpipe.pipeline._names import experts_split
 from jaxpipe.pipeline._timetable import check_virtual_stages, min_microbatches
 
 Tree = Any
@@ -123,15 +124,18 @@ class TwoBWState(NamedTuple):
            "inflight": "inflight"}
 
 
-def _pick(tree: Tree, index) -> Tree:
+def pick_version(tree: Tree, index) -> Tree:
+  """Version `index` of a ring of weight versions (each leaf's leading axis)."""
   return jax.tree.map(lambda v: v[index], tree)
 
 
-def _local(tree: Tree) -> Tree:
+def local_block(tree: Tree) -> Tree:
+  """A per-device tree's own block: each leaf without its [stage, data] axes of size 1."""
   return jax.tree.map(lambda x: x[0, 0], tree)
 
 
-def _per_device(tree: Tree) -> Tree:
+def per_device(tree: Tree) -> Tree:
+  """The inverse of `local_block`: each leaf given leading [stage, data] axes of size 1."""
   return jax.tree.map(lambda x: x[None, None], tree)
 
 
@@ -168,11 +172,6 @@ def _data_split(shape: tuple, spec: P, num_stages: int, num_data: int) -> P:
   return spec
 
 
-def _acc_dtype(x) -> jnp.dtype:
-  # Gradients are summed over microbatches in float32, whatever the weights'.
-  return jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-
-
 class Schedule:
   """Base class: shardings, the optimizer step with its NaN guard, and jitting."""
 
@@ -200,9 +199,10 @@ class Schedule:
     self.num_data = mesh.shape[DATA]
     self.num_microbatches = num_microbatches
     self.stash = stash
-    # Only the shard_map programs of the pipelined schedules exchange tokens
-    # between the replicas; `none` keeps every expert on every replica.
-    self.expert_parallel = expert_parallel and self.pipelined and self.num_data > 1
+    # One expert stands for "any": whether the model has experts at all is for
+    # the blocks' `expert_axes` to say (None on every leaf of a dense model).
+    self.expert_parallel = experts_split(self.name if self.pipelined else "none",
+                                         self.num_data, 1, expert_parallel)
     if not self.pipelined and self.num_stages != 1:
       raise ValueError(f"schedule '{self.name}' runs without stages; got a mesh of "
                        f"{self.num_stages} stages")
@@ -268,7 +268,7 @@ class Schedule:
     return jax.tree.map(check, axes, blocks, is_leaf=lambda a: a is None)
 
   def _split_experts(self, blocks: Tree) -> Tree:
-    return (self.fns.expert_axes if self.expert_parallel else _no_experts)(blocks)
+    return (self.fns.expert_axes if self.expert_parallel else no_experts)(blocks)
 
   def _check_shared(self, shared: Tree) -> None:
     axes = jax.tree.structure(self.fns.vocab_axes, is_leaf=lambda a: a is None)
@@ -585,7 +585,7 @@ class Schedule:
           or min(x.shape[axes[0]], like.shape[axes[0]]) < v):
         raise ValueError(f"an array of shape {x.shape} in the checkpoint has shape "
                          f"{like.shape} on this mesh; only vocabulary padding may differ")
-      resize = functools.partial(_vocab._resize, axis=axes[0], size=like.shape[axes[0]])  # pylint: disable=protected-access
+      resize = functools.partial(_vocab.resize_axis, axis=axes[0], size=like.shape[axes[0]])
       return jax.jit(lambda a: resize(lax.slice_in_dim(a, 0, v, axis=axes[0])),
                      out_shardings=like.sharding)(x)
 

@@ -72,14 +72,14 @@ import numpy as np
 from jax import lax
 
 from jaxpipe.pipeline import _vocab
+from jaxpipe.pipeline._names import DATA, STAGE, STASH_MODES
 from jaxpipe.pipeline._timetable import StepPlan, TickKind
 
 Tree = Any
 
-__all__ = ["StageFns", "TickCarry", "Engine", "STASH_CHOICES", "PHASE", "make_varying",
-           "varying_axes", "residual_shapes", "expert_exchange", "chunk_of"]
+__all__ = ["StageFns", "TickCarry", "Engine", "PHASE", "make_varying", "varying_axes",
+           "residual_shapes", "expert_exchange", "no_experts", "acc_dtype", "chunk_of"]
 
-STAGE, DATA = "stage", "data"
 AXES = (STAGE, DATA)
 # The phases of a tick, each traced under its own `jax.named_scope`, so that a
 # profile (XLA's CPU trace, Nsight Systems, XProf) names the work of every
@@ -87,7 +87,6 @@ AXES = (STAGE, DATA)
 # once-per-step gradient reduction and the optimizer update.
 PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "embed_grad", "send",
                                     "grad_reduce", "optimizer")}
-STASH_CHOICES = ("inputs", "residuals")
 # Plan arrays with one entry per (tick, stage), fed to the tick loops.
 _ROWS = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot")
 # And with v > 1 chunks per stage, which chunk each forward and backward runs.
@@ -125,8 +124,15 @@ def _same(blocks: Tree) -> Tree:
   return blocks
 
 
-def _no_experts(blocks: Tree) -> Tree:
+def no_experts(blocks: Tree) -> Tree:
+  """The `expert_axes` of a dense model: None (no expert axis) for every leaf of `blocks`."""
   return jax.tree.map(lambda _: None, blocks)
+
+
+def acc_dtype(x) -> jnp.dtype:
+  """The dtype `x`'s gradient is summed in over microbatches: float32 for floats, else x's."""
+  # Whatever the weights' dtype: a bfloat16 running sum drops the late microbatches' low bits.
+  return jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
 
 
 class StageFns(NamedTuple):
@@ -160,7 +166,7 @@ class StageFns(NamedTuple):
   vocab_axes: Tree
   prepare: Callable[[Tree], Tree] = _same
   loss_chunk: int = 0
-  expert_axes: Callable[[Tree], Tree] = _no_experts
+  expert_axes: Callable[[Tree], Tree] = no_experts
 
   def loss(self, shared: Tree, x: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean cross-entropy of `x` over the whole vocabulary (one device, no mesh axis).
@@ -376,8 +382,8 @@ class Engine:
         'stage' axis has one device (the planner's cost of one stage's tick:
         the stage's position is a constant, sends are dropped).
     """
-    if stash not in STASH_CHOICES:
-      raise ValueError(f"stash must be one of {STASH_CHOICES}, got {stash!r}")
+    if stash not in STASH_MODES:
+      raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
     last, top = plan.num_stages - 1, plan.virtual_stages - 1
     heads = (plan.bwd[:, last] >= 0) & (plan.bwd_chunk[:, last] == top)
     if not plan.head_stash and not np.all(
@@ -445,9 +451,7 @@ class Engine:
     x = make_varying(jnp.zeros(x_like.shape, x_like.dtype))
     entry = self.stash_entry(make_varying(self.fns.prepare(blocks)), x)
     stash = jax.tree.map(lambda v: jnp.zeros((self.num_slots,) + v.shape, v.dtype), entry)
-    # Gradients are summed in float32, whatever the weights' dtype.
-    f32 = lambda v: jnp.zeros(v.shape, jnp.float32 if jnp.issubdtype(v.dtype, jnp.floating)
-                              else v.dtype)
+    f32 = lambda v: jnp.zeros(v.shape, acc_dtype(v))
     acc = (jax.tree.map(f32, blocks), jax.tree.map(f32, shared))
     return make_varying(TickCarry(x, x, stash, (acc,) * self.plan.num_accumulators,
                                   jnp.zeros((self.plan.num_accumulators,), jnp.float32)))

@@ -31,10 +31,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-__all__ = ["LAYOUTS", "make_mesh", "device_grid", "node_split", "node_of", "axes_across_nodes"]
+from jaxpipe.pipeline._names import DATA, LAYOUTS, STAGE
 
-STAGE, DATA = "stage", "data"
-LAYOUTS = ("stage", "data")
+__all__ = ["make_mesh", "device_grid", "node_split", "node_of", "axes_across_nodes"]
 
 
 def _by_process(device: Any) -> bool:

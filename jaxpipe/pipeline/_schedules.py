@@ -39,13 +39,14 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe.pipeline._base import (  # pylint: disable=unused-import
-    InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, _acc_dtype, _local,
-    _per_device, _pick, make_mesh, merge_params, split_params)
-from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry
-from jaxpipe.pipeline._timetable import SCHEDULE_NAMES, layer_order, step_plan
+    InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, local_block, per_device,
+    pick_version, make_mesh, merge_params, split_params)
+from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry, acc_dtype
+from jaxpipe.pipeline._names import SCHEDULE_NAMES
+from jaxpipe.pipeline._timetable import layer_order, step_plan
 
 __all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight", "Interleaved",
-           "make_schedule", "make_mesh", "split_params", "merge_params", "SCHEDULE_NAMES"]
+           "make_schedule", "make_mesh", "split_params", "merge_params"]
 
 
 def _full_loss(fns: StageFns):
@@ -74,7 +75,7 @@ class NoPipeline(Schedule):
       loss, g = jax.value_and_grad(loss_fn)(params, *batch)
       return (jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g), l_sum + loss), None
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, _acc_dtype(x)), params)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dtype(x)), params)
     (g, loss), _ = lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (tokens, targets))
     m = tokens.shape[0]
     return jax.tree.map(lambda x: x / m, g), loss / m
@@ -162,7 +163,7 @@ class _Pipelined(Schedule):
     Without it the one version is used as it is (no copy).
     """
     lead = () if pick is None else (None,)
-    one = (lambda t: t) if pick is None else (lambda t: _pick(t, 0))
+    one = (lambda t: t) if pick is None else (lambda t: pick_version(t, 0))
     x_like = self._act_like(one(shared), tokens)
 
     def body(blocks, shared, tokens, targets):
@@ -170,7 +171,7 @@ class _Pipelined(Schedule):
         blocks_v, shared_v = (blocks,), (shared,)
       else:
         b, sh = pick(lax.axis_index(STAGE))
-        blocks_v, shared_v = (_pick(blocks, b),), tuple(_pick(shared, i) for i in sh)
+        blocks_v, shared_v = (pick_version(blocks, b),), tuple(pick_version(shared, i) for i in sh)
       carry = self.engine.empty_carry(blocks_v[0], shared_v[0], x_like)
       carry = self.engine.run(blocks_v, shared_v, tokens, targets, carry)
       (g_blocks, g_shared), = carry.accs
@@ -339,7 +340,7 @@ class PipeDream(_Pipelined):
           f"{self.num_stages} (its delays would change mid-run); mesh.data can change")
 
   def newest(self, state) -> Tree:
-    return _pick(state.versions, state.step % self.num_stages)
+    return pick_version(state.versions, state.step % self.num_stages)
 
   def _step_fn(self, state, tokens, targets):
     k, s_ = state.step, self.num_stages
@@ -348,7 +349,7 @@ class PipeDream(_Pipelined):
     grads, loss = self._flushed_grads(
         blocks_v, shared_v, tokens, targets,
         pick=lambda s: (lagged(s_ - 1 - s), (lagged(s_ - 1), k % s_)))
-    newest = _pick(state.versions, k % s_)
+    newest = pick_version(state.versions, k % s_)
     params, opt_state, finite = self._update(newest, state.opt_state, grads, jnp.array(True))
     ring = jax.tree.map(lambda v, p: v.at[(k + 1) % s_].set(p), state.versions, params)
     metrics = self._grad_metrics(grads, loss, k, finite)
@@ -387,7 +388,7 @@ class TwoBW(_Pipelined):
     def empty(blocks, shared):
       c = self.engine.empty_carry(blocks, shared, x_like)
       (acc,) = c.accs[:1]
-      return _per_device((c.fwd_buf, c.bwd_buf, c.stash, acc, c.losses[0]))
+      return per_device((c.fwd_buf, c.bwd_buf, c.stash, acc, c.losses[0]))
 
     fn = self._shard_map(empty, split_params(self.param_specs(params)), P(STAGE, DATA))
     fwd_buf, bwd_buf, stash, acc, loss = fn(blocks, shared)
@@ -412,17 +413,17 @@ class TwoBW(_Pipelined):
 
     def body(prev, cur, f, tok, tgt, k, has_history):
       (prev_b, prev_s), (cur_b, cur_s) = split_params(prev), split_params(cur)
-      acc_prev = _local(f.acc)
-      carry = TickCarry(_local(f.fwd_buf), _local(f.bwd_buf), _local(f.stash),
+      acc_prev = local_block(f.acc)
+      carry = TickCarry(local_block(f.fwd_buf), local_block(f.bwd_buf), local_block(f.stash),
                         (acc_prev, jax.tree.map(jnp.zeros_like, acc_prev)),
-                        jnp.stack([_local(f.loss), jnp.zeros_like(_local(f.loss))]))
+                        jnp.stack([local_block(f.loss), jnp.zeros_like(local_block(f.loss))]))
       window = (jnp.concatenate([f.tokens, tok]), jnp.concatenate([f.targets, tgt]))
       carry = self.engine.run((prev_b, cur_b), (prev_s, cur_s), *window, carry,
                               has_history=has_history, slot_base=(k * m) % self.plan.slots)
       g_blocks, g_shared, done = self._reduce(*carry.accs[0], carry.losses[0])
       # Batch k rides along as the next step's batch k-1 (a copy: the state is
       # donated to the next step, the caller's batch is not).
-      inflight = InFlight(*_per_device((carry.fwd_buf, carry.bwd_buf, carry.stash,
+      inflight = InFlight(*per_device((carry.fwd_buf, carry.bwd_buf, carry.stash,
                                         carry.accs[1], carry.losses[1])), tok, tgt)
       return merge_params(g_blocks, g_shared), done, inflight
 

@@ -60,12 +60,11 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["SCHEDULE_NAMES", "PIPELINED", "StepPlan", "TickKind", "Facts", "Cell", "Timetable",
+from jaxpipe.pipeline._names import PIPELINED, SCHEDULE_NAMES
+
+__all__ = ["StepPlan", "TickKind", "Facts", "Cell", "Timetable",
            "step_plan", "facts", "timetable", "min_microbatches", "stash_slots",
            "FORWARD_COST", "BACKWARD_COST", "layer_order", "check_virtual_stages"]
-
-SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved")
-PIPELINED = ("gpipe", "1f1b", "2bw", "pipedream", "interleaved")
 
 # The cost model of a tick: a forward of one stage on one microbatch is one
 # unit, its backward two (a backward computes the gradients of both the

@@ -45,7 +45,8 @@ def padded_vocab(vocab_size: int, num_stages: int) -> int:
   return num_stages * math.ceil(vocab_size / num_stages)
 
 
-def _resize(x: jax.Array, axis: int, size: int) -> jax.Array:
+def resize_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """`x` with its `axis` cut or zero-padded to `size`."""
   if x.shape[axis] == size:
     return x
   pad = [(0, 0)] * x.ndim
@@ -68,7 +69,7 @@ def pad_vocab(shared: Tree, vocab_axes: Tree, size: int) -> Tree:
   masked out of the loss, so their gradients are zero and they stay zero
   under every optimizer whose update of a zero gradient and zero weight is zero.
   """
-  return jax.tree.map(lambda x, a: x if a is None else _resize(x, a, size), shared, vocab_axes,
+  return jax.tree.map(lambda x, a: x if a is None else resize_axis(x, a, size), shared, vocab_axes,
                       is_leaf=lambda a: a is None)
 
 

@@ -78,7 +78,8 @@ class Cell:
 # --- small helpers ------------------------------------------------------------
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+  """Prints one line of the study's progress at once (flushed: the study runs for hours)."""
   print(msg, flush=True)
 
 
@@ -274,7 +275,7 @@ def cell_state(cell: Cell, config_path: str) -> str:
   return "resume" if has_checkpoint(d) else "restart"
 
 
-def _write_marker(cell: Cell, config_path: str, wall_s: float, pid: Optional[int] = None) -> None:
+def write_marker(cell: Cell, config_path: str, wall_s: float, pid: Optional[int] = None) -> None:
   """Marks the directory as the tool's own: the cell, its config, its wall time, its trainer."""
   path = os.path.join(cell.run_dir, MARKER)
   with open(path + ".tmp", "w") as f:
@@ -301,7 +302,8 @@ def _still_training(pid: Optional[int], run_dir: str) -> bool:
   return f"run.dir={run_dir}".encode() in args
 
 
-def _marker_wall(cell: Cell) -> float:
+def marker_wall(cell: Cell) -> float:
+  """Seconds of training the cell's marker records so far; 0 without a readable marker."""
   try:
     with open(os.path.join(cell.run_dir, MARKER)) as f:
       return float(json.load(f).get("wall_s", 0.0))
@@ -355,7 +357,7 @@ def count_params(cfg: config_lib.Config) -> int:
   d = cfg.data
   path = d.path or data_lib.prepare_embedded(d.corpus, d.tokenizer, d.cache_dir)
   vocab = cfg.model.vocab_size or data_lib.open_tokens(path, verify=False).vocab_size
-  model = model_lib.build(dataclasses.replace(cfg.model, vocab_size=vocab))
+  model = model_lib.make_model(dataclasses.replace(cfg.model, vocab_size=vocab))
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)))
 

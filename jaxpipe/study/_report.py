@@ -14,9 +14,9 @@ from typing import Any, Optional, Sequence
 from jaxpipe import config as config_lib
 from jaxpipe.errors import InputError
 from jaxpipe.study._cells import (
-    ROOT, StudyError, Cell, _say, fmt_lr, fmt_duration, git_commit, machine, read_records, Plan)
+    ROOT, StudyError, Cell, say, fmt_lr, fmt_duration, git_commit, machine, read_records, Plan)
 from jaxpipe.study._results import (
-    summarize, markdown_table, gap_length_table, plot_results, _run_info, write_json,
+    summarize, markdown_table, gap_length_table, plot_results, run_info, write_json,
     size_summary, size_table, plot_sizes)
 
 # --- modes ------------------------------------------------------------------------
@@ -77,8 +77,8 @@ def _epochs(cfg: config_lib.Config, tokens: int) -> Optional[float]:
     return None
 
 
-def _meta(args: argparse.Namespace, t0: float, outcome: dict[str, str], plan: Plan,
-          params: int, steps: int, path: str) -> dict[str, Any]:
+def study_meta(args: argparse.Namespace, t0: float, outcome: dict[str, str], plan: Plan,
+               params: int, steps: int, path: str) -> dict[str, Any]:
   """The study's scale and every invocation that trained into it.
 
   A sweep finished over several invocations (interrupted and resumed) keeps
@@ -124,14 +124,14 @@ def report_study(args, plan: Plan, cells: Sequence[Cell], optimizers, seeds, par
                  steps: int, t0: float, outcome: dict[str, str]) -> dict[str, Any]:
   """Writes results.json, results.md and the two PNGs of the study under plan.out."""
   summary = summarize(cells, optimizers, seeds, params, plan.tokens_per_step())
-  meta = _meta(args, t0, outcome, plan, params, steps, os.path.join(plan.out, "results.json"))
+  meta = study_meta(args, t0, outcome, plan, params, steps, os.path.join(plan.out, "results.json"))
   check_path = os.path.join(plan.out, "check_2bw.json")
   check = None
   if os.path.exists(check_path):
     with open(check_path) as f:
       check = json.load(f)
   result = {"meta": meta, "seeds": list(seeds), "summary": summary,
-            "runs": _run_info(cells, plan.tokens_per_step()), "check_2bw": check}
+            "runs": run_info(cells, plan.tokens_per_step()), "check_2bw": check}
   os.makedirs(plan.out, exist_ok=True)
   write_json(os.path.join(plan.out, "results.json"), result)
   pngs = plot_results(summary, plan.out)
@@ -179,9 +179,9 @@ def report_sweep(args, plan: Plan, cells: Sequence[Cell], optimizers, params: in
       best[opt] = lr
       grid = [c.lr for c in mine]
       edge[opt] = len(grid) > 1 and lr in (min(grid), max(grid))
-  meta = _meta(args, t0, outcome, plan, params, steps, os.path.join(plan.out, "lr_sweep.json"))
+  meta = study_meta(args, t0, outcome, plan, params, steps, os.path.join(plan.out, "lr_sweep.json"))
   data = {"meta": meta, "steps": steps, "val_loss": losses, "best": best, "at_edge": edge,
-          "runs": _run_info(cells, plan.tokens_per_step())}
+          "runs": run_info(cells, plan.tokens_per_step())}
   os.makedirs(plan.out, exist_ok=True)
   write_json(os.path.join(plan.out, "lr_sweep.json"), data)
   lines = ["# Learning-rate sweep (synchronous, seed 0)", "",
@@ -201,7 +201,7 @@ def report_sweep(args, plan: Plan, cells: Sequence[Cell], optimizers, params: in
   for opt in optimizers:
     if opt in best:
       note = "  <- at the grid's edge; widen the grid" if edge[opt] else ""
-      _say(f"best lr {opt}: {fmt_lr(best[opt])}{note}")
+      say(f"best lr {opt}: {fmt_lr(best[opt])}{note}")
   return data
 
 
@@ -226,6 +226,6 @@ def report_sizes(args: argparse.Namespace) -> int:
   with open(os.path.join(args.out, "sizes.md"), "w") as f:
     f.write("# The delay's gap against model size\n\n" + table +
             "\n\n![gap against size](gap_vs_size.png)\n\nStudies: " + ", ".join(dirs) + "\n")
-  _say(table)
-  _say(f"wrote {os.path.join(args.out, 'sizes.md')}, sizes.json, gap_vs_size.png")
+  say(table)
+  say(f"wrote {os.path.join(args.out, 'sizes.md')}, sizes.json, gap_vs_size.png")
   return 0

@@ -8,7 +8,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from jaxpipe.study._cells import (
-    ROOT, SETTINGS, SETTING_LABELS, Cell, fmt_lr, read_records, _marker_wall)
+    ROOT, SETTINGS, SETTING_LABELS, Cell, fmt_lr, read_records, marker_wall)
 
 # --- results ----------------------------------------------------------------------
 
@@ -235,7 +235,8 @@ def plot_results(summary: dict[str, Any], out: str) -> list[str]:
   return [curves_png, gap_png]
 
 
-def _run_info(cells: Sequence[Cell], tokens_per_step: int) -> list[dict[str, Any]]:
+def run_info(cells: Sequence[Cell], tokens_per_step: int) -> list[dict[str, Any]]:
+  """Per cell: its settings, final validation loss, training wall time and tokens per second."""
   out = []
   for c in cells:
     _, val, times = read_records(c.run_dir)
@@ -243,7 +244,7 @@ def _run_info(cells: Sequence[Cell], tokens_per_step: int) -> list[dict[str, Any
     median = steady[len(steady) // 2] if steady else None
     out.append({"name": c.name, "optimizer": c.optimizer, "setting": c.setting, "seed": c.seed,
                 "lr": c.lr, "steps": c.steps, "final_val_loss": val.get(c.steps),
-                "wall_s": round(_marker_wall(c), 1),
+                "wall_s": round(marker_wall(c), 1),
                 "tokens_per_s": round(tokens_per_step / median) if median else None,
                 "run_dir": os.path.relpath(c.run_dir, ROOT)})
   return out
@@ -336,7 +337,8 @@ def _save_gap_plot(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: str
   plt.close(fig)
 
 
-def _num(x: Optional[float]) -> str:
+def fmt_num(x: Optional[float]) -> str:
+  """A loss to 8 decimals, or 'missing' for None."""
   return "missing" if x is None else f"{x:.8f}"
 
 

@@ -18,8 +18,8 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from jaxpipe.study._cells import (
-    ROOT, TRAIN, SINGLE_THREAD_FLAGS, Cell, _say, fmt_duration, read_records, cell_state,
-    _write_marker, _marker_wall)
+    ROOT, TRAIN, SINGLE_THREAD_FLAGS, Cell, say, fmt_duration, read_records, cell_state,
+    write_marker, marker_wall)
 
 # --- running cells --------------------------------------------------------------
 
@@ -63,7 +63,7 @@ class Runner:
     outcome = {c.name: "done" for c in cells if states[c.name] == "done"}
     self.outcome = outcome
     counts = {s: sum(v == s for v in states.values()) for s in ("new", "resume", "restart", "done")}
-    _say(f"{len(cells)} runs: {counts['done']} finished already, {counts['resume']} to resume "
+    say(f"{len(cells)} runs: {counts['done']} finished already, {counts['resume']} to resume "
          f"from a checkpoint, {counts['restart']} to restart, {counts['new']} to start; "
          f"{self.jobs} job(s) x {'1 thread' if self.threads == 1 else 'all threads'}")
     running: dict[str, tuple[subprocess.Popen, Cell, float, Any, int]] = {}
@@ -95,7 +95,7 @@ class Runner:
           free_slots.append(slot)
           log.close()
           wall = time.time() - started
-          _write_marker(cell, self.config_path, _marker_wall(cell) + wall)
+          write_marker(cell, self.config_path, marker_wall(cell) + wall)
           _, val, _ = read_records(cell.run_dir)
           if proc.returncode == 0 and cell.steps in val:
             outcome[name] = "done"
@@ -111,12 +111,12 @@ class Runner:
           if finished_walls and left:
             per = sum(finished_walls) / len(finished_walls)
             eta = f", about {fmt_duration(math.ceil(left / self.jobs) * per)} left"
-          _say(f"[{done:>3}/{len(cells)}] {name:<24} {what} ({fmt_duration(wall)}) | "
+          say(f"[{done:>3}/{len(cells)}] {name:<24} {what} ({fmt_duration(wall)}) | "
                f"elapsed {fmt_duration(time.time() - self.t0)}{eta}")
           if self.on_progress is not None:
             self.on_progress(dict(outcome))
     except KeyboardInterrupt:
-      _say(f"interrupted: stopping {len(running)} run(s) at a checkpoint; "
+      say(f"interrupted: stopping {len(running)} run(s) at a checkpoint; "
            "run the same command to resume")
       for proc, cell, started, log, _ in running.values():
         if proc.poll() is None:
@@ -128,7 +128,7 @@ class Runner:
           proc.kill()
           proc.wait()
         log.close()
-        _write_marker(cell, self.config_path, _marker_wall(cell) + time.time() - started)
+        write_marker(cell, self.config_path, marker_wall(cell) + time.time() - started)
         outcome[cell.name] = "interrupted"
       raise
     finally:
@@ -142,7 +142,7 @@ class Runner:
       # metrics without a checkpoint cannot be resumed, so start over.
       shutil.rmtree(cell.run_dir)
     os.makedirs(cell.run_dir, exist_ok=True)
-    _write_marker(cell, self.config_path, _marker_wall(cell) if state == "resume" else 0.0)
+    write_marker(cell, self.config_path, marker_wall(cell) if state == "resume" else 0.0)
     log = open(os.path.join(cell.run_dir, "study.log"), "a")
     log.write(f"$ {shlex.join(self.command(cell))}\n")
     log.flush()
@@ -158,9 +158,9 @@ class Runner:
     # trainer before it saves).
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
                             start_new_session=True)
-    _write_marker(cell, self.config_path, _marker_wall(cell), pid=proc.pid)
+    write_marker(cell, self.config_path, marker_wall(cell), pid=proc.pid)
     verb = {"resume": "resume", "restart": "restart", "new": "start"}[state]
-    _say(f"        {verb:<7} {cell.name}")
+    say(f"        {verb:<7} {cell.name}")
     return proc, cell, time.time(), log
 
 
