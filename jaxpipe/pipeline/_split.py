@@ -147,7 +147,7 @@ def _analyse(jaxpr, consts, b_want: Sequence[bool], w_want: Sequence[bool],
     role = roles[i]
     if (role == "W" and not eqn_lin[i]
         and all(not _is_var(v) or v in b_defined for v in eqn.invars)
-        and sum(map(_nbytes, eqn.outvars)) <= sum(map(_nbytes, set(eqn.invars)))):
+        and sum(map(_nbytes, eqn.outvars)) <= sum(map(_nbytes, {v for v in eqn.invars if _is_var(v)}))):
       roles[i] = role = "B"
     if role == "B":
       b_defined.update(eqn.outvars)
