@@ -19,7 +19,11 @@ are the forward's residuals and the output cotangent and whose outputs are
   B scan (the input-cotangent carry and what W needs of each iteration,
   stacked) and a W scan over the same iterations.
 - W: the equations only g_blocks depends on: per weight use y = x.w the
-  contraction x^T.dy, the reductions that give RMSNorm scales' gradients.
+  contraction x^T.dy. Two kinds of W-only work run in B where that keeps
+  W's stash smaller: elementwise and reducing steps of a gradient (an
+  RMSNorm scale's sum over tokens of dy * x_hat: a [dim] to keep instead of
+  two activations) and forward values recomputed under remat that only W
+  reads (the attention output p.v: smaller than p).
 - W's stash: the values W reads that B (or the forward) computed: per
   weight use its input x and its output cotangent dy.
 
@@ -51,6 +55,10 @@ __all__ = ["SplitStage", "split_pullback", "SplitPullback"]
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
           "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
           "remat2": "jaxpr"}
+
+
+# W's own work: the weights' contractions.
+_MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 
 
 def _is_var(v) -> bool:
@@ -139,16 +147,38 @@ def _analyse(jaxpr, consts, b_want: Sequence[bool], w_want: Sequence[bool],
       role = "W"
       need_w.update(v for v in eqn.invars if _is_var(v))
     roles[i] = role
-  # A recomputed forward value that only W reads (remat's attention output
-  # p.v, a normalised input) is computed in B when that stashes fewer bytes
-  # than its operands would: its flops move, they are not repeated.
+  # Two kinds of W's work run in B instead when that makes W's stash smaller
+  # (their flops move, they are not repeated):
+  # - a recomputed forward value only W reads (remat's attention output p.v,
+  #   a normalised input), when it is no bigger than its operands;
+  # - an elementwise or reducing step of a weight's gradient (an RMSNorm
+  #   scale's dy * x_hat summed over tokens), when it is no bigger than the
+  #   operands that no other W work reads. Matmuls stay in W: they are what
+  #   W is for.
+  readers = {}
+  for v in jaxpr.outvars:
+    if _is_var(v):
+      readers[v] = readers.get(v, 0) + len(jaxpr.outvars)  # never leaves the stash
+  for eqn, role in zip(jaxpr.eqns, roles):
+    if role == "W" or (role is not None and role != "B"):
+      ins = eqn.invars if role == "W" else [v for v, r in zip(eqn.invars, role.w_in) if r]
+      for v in {v for v in ins if _is_var(v)}:
+        readers[v] = readers.get(v, 0) + 1
   b_defined = set(jaxpr.invars) | set(jaxpr.constvars)
   for i, eqn in enumerate(jaxpr.eqns):
     role = roles[i]
-    if (role == "W" and not eqn_lin[i]
-        and all(not _is_var(v) or v in b_defined for v in eqn.invars)
-        and sum(map(_nbytes, eqn.outvars)) <= sum(map(_nbytes, {v for v in eqn.invars if _is_var(v)}))):
-      roles[i] = role = "B"
+    operands = {v for v in eqn.invars if _is_var(v)}
+    if role == "W" and all(v in b_defined for v in operands):
+      out = sum(map(_nbytes, eqn.outvars))
+      if not eqn_lin[i]:
+        move = out <= sum(map(_nbytes, operands))
+      else:
+        move = (eqn.primitive.name not in _MATMULS and not any(core.jaxprs_in_params(eqn.params))
+                and out <= sum(_nbytes(v) for v in operands if readers.get(v) == 1))
+      if move:
+        roles[i] = role = "B"
+        for v in operands:
+          readers[v] -= 1
     if role == "B":
       b_defined.update(eqn.outvars)
     elif role is not None and role != "W":
