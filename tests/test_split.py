@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.model import _llama
+from jaxpipe import model as model_lib
 from jaxpipe.model._config import ModelConfig, MoEConfig
 from jaxpipe.pipeline._split import SplitStage
 from jaxpipe.pipeline._zbh1 import zb_h1
@@ -92,7 +92,7 @@ def _model(moe: bool, remat: str):
   cfg = ModelConfig(vocab_size=128, dim=DIM, n_layers=LAYERS, n_heads=4, n_kv_heads=2,
                     attention="xla", remat=remat,
                     moe=MoEConfig(num_experts=4 if moe else 0, top_k=2))
-  model = _llama.build(cfg)
+  model = model_lib.make_model(cfg)
   return cfg, model.apply_blocks, model.init(jax.random.PRNGKey(0))["blocks"]
 
 
@@ -187,7 +187,7 @@ def test_w_stash_is_each_weight_use_input_and_output_cotangent():
   x, g_y, g_aux = _inputs()
   stash, w_stash = SplitStage(fn).w_stash_shapes(blocks, x)
   nbytes = lambda t: sum(np.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(t))
-  hidden, kv = _llama.ffn_dim(cfg), cfg.n_kv_heads * DIM // cfg.n_heads
+  hidden, kv = model_lib.ffn_dim(cfg), cfg.n_kv_heads * DIM // cfg.n_heads
   # Per token and layer: the inputs of q/k/v (one), o, gate/up (one) and
   # down, and the output cotangents of q, k, v, o, gate, up, down. The two
   # RMSNorm scales' gradients are finished in B (a [dim] each per layer):
