@@ -28,8 +28,8 @@ from jaxpipe.errors import ConfigError
 # The model owns its section and its choices; this module composes the sections.
 from jaxpipe.model import ATTENTION_SETTINGS, DTYPE_NAMES, REMAT_POLICIES, ModelConfig, MoEConfig
 # The pipeline's choices and rules, read without JAX (its plans are plain Python).
-from jaxpipe.pipeline import (LAYOUTS, SCHEDULE_NAMES, STASH_MODES, Layout, ScheduleName,
-                              StashMode, experts_split, min_microbatches)
+from jaxpipe.pipeline import (LAYOUTS, PIPELINED, SCHEDULE_NAMES, STASH_MODES, Layout,
+                              ScheduleName, StashMode, experts_split, min_microbatches)
 
 __all__ = [
     "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",
@@ -572,7 +572,7 @@ def _validate_pipeline(cfg: Config) -> None:
   _check(cfg.mesh.data >= 1, f"mesh.data must be >= 1, got {cfg.mesh.data}")
   if p.schedule == "none":
     _check(p.stages == 1, f"pipeline.stages={p.stages} needs a pipeline schedule "
-           "(gpipe, 1f1b, 2bw, pipedream, interleaved); set pipeline.stages=1 for schedule none")
+           f"({', '.join(PIPELINED)}); set pipeline.stages=1 for schedule none")
   else:
     _check(m.n_layers % p.stages == 0,
            f"model.n_layers={m.n_layers} is not divisible by pipeline.stages={p.stages}; "

@@ -291,7 +291,7 @@ def choice_lists(sources: dict[str, str]) -> dict[frozenset, set[str]]:
 # attention settings, optimizer names, learning-rate schedules, NaN policies,
 # mesh layouts, the tokenizers known by name.
 CHOICES = {
-    "schedules": {"none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved"},
+    "schedules": {"none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved", "zb1"},
     "stash": {"inputs", "residuals"},
     "dtypes": {"float32", "bfloat16", "float16"},
     "head": {"auto", "vocab_parallel", "last_stage"},

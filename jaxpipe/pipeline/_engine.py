@@ -73,6 +73,7 @@ from jax import lax
 
 from jaxpipe.pipeline import _vocab
 from jaxpipe.pipeline._names import DATA, STAGE, STASH_MODES
+from jaxpipe.pipeline._split import SplitStage
 from jaxpipe.pipeline._timetable import StepPlan, TickKind
 
 Tree = Any
@@ -91,6 +92,8 @@ PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "embed
 _ROWS = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot")
 # And with v > 1 chunks per stage, which chunk each forward and backward runs.
 _CHUNK_ROWS = ("fwd_chunk", "bwd_chunk")
+# And with the backward split into B and W (zb1): W's microbatch, its slots.
+_WGT_ROWS = ("wgt", "bwd_wslot", "wgt_slot")
 
 
 def chunk_of(blocks: Tree, chunk, num_chunks: int) -> Tree:
@@ -294,12 +297,15 @@ class TickCarry(NamedTuple):
     accs: per accumulator, (blocks, shared) gradient sums.
     losses: [A] loss sums (cross-entropy on the last stage plus this
       stage's auxiliary losses), one per accumulator.
+    wstash: with the backward split (zb1), W's stash by slot (what B keeps
+      for W, `SplitStage`), [w_slots + 1, ...] per leaf; else None.
   """
   fwd_buf: jax.Array
   bwd_buf: jax.Array
   stash: dict
   accs: tuple
   losses: jax.Array
+  wstash: Any = None
 
 
 class _Ctx(NamedTuple):
@@ -399,6 +405,17 @@ class Engine:
     # Forwards the plan leaves empty write into a scratch slot past the ring.
     self.trash = plan.slots
     self.num_slots = plan.slots + int((plan.fwd < 0).any())
+    # zb1: B and W of one stage's backward without recomputation (`_split`);
+    # B without a microbatch writes W's stash into a scratch slot past its ring.
+    self.split_stage = None
+    if plan.split_backward:
+      if plan.num_versions != 1 or self.chunks != 1:
+        raise ValueError(f"{plan.schedule}: a split backward runs one weight version, one chunk")
+      if plan.inbox_slots != 1:
+        raise ValueError(f"{plan.schedule}: each stage must hold at most one received input "
+                         f"and one cotangent at a time, the plan needs {plan.inbox_slots}")
+      self.split_stage = SplitStage(fns.stage)
+      self.w_trash = plan.w_slots
 
   def traffic(self, act_bytes: int, tokens: int) -> dict[str, float]:
     """Bytes one device sends in a steady tick, by kind, as this engine's program moves them.
@@ -437,7 +454,10 @@ class Engine:
     input or residuals.
     """
     aux = jnp.zeros((), jnp.float32)
-    if self.stash_mode == "residuals":
+    if self.stash_mode == "residuals" and self.split_stage is not None:
+      kept, _ = self.split_stage.w_stash_shapes(blocks, x)
+      entry = {"res": tuple(jnp.zeros(r.shape, r.dtype) for r in kept), "aux": aux}
+    elif self.stash_mode == "residuals":
       _, kept = _vjp_layout(self.fns.stage, chunk_of(blocks, 0, self.chunks), x)
       entry = {"res": tuple(jnp.zeros(r.shape, r.dtype) for r in kept), "aux": aux}
     else:
@@ -453,8 +473,16 @@ class Engine:
     stash = jax.tree.map(lambda v: jnp.zeros((self.num_slots,) + v.shape, v.dtype), entry)
     f32 = lambda v: jnp.zeros(v.shape, acc_dtype(v))
     acc = (jax.tree.map(f32, blocks), jax.tree.map(f32, shared))
+    wstash = None
+    if self.split_stage is not None:
+      # Traced here, inside the mesh, before any tick: B's plan is cached by
+      # shape and W finds it by its stash's (`SplitStage`).
+      _, w_entry = self.split_stage.w_stash_shapes(make_varying(self.fns.prepare(blocks)), x)
+      wstash = jax.tree.map(lambda v: jnp.zeros((self.plan.w_slots + 1,) + v.shape, v.dtype),
+                            w_entry)
     return make_varying(TickCarry(x, x, stash, (acc,) * self.plan.num_accumulators,
-                                  jnp.zeros((self.plan.num_accumulators,), jnp.float32)))
+                                  jnp.zeros((self.plan.num_accumulators,), jnp.float32),
+                                  wstash))
 
   # --- one step ----------------------------------------------------------------
 
@@ -493,7 +521,8 @@ class Engine:
       # working set instead of one per loop, but XLA's CPU runtime then
       # serialises the stages: a conditional holding collectives blocks.)
       xs = {k: jnp.asarray(getattr(plan, k)[t0:t1])
-            for k in _ROWS + (_CHUNK_ROWS if self.chunks > 1 else ())}
+            for k in _ROWS + (_CHUNK_ROWS if self.chunks > 1 else ())
+            + (_WGT_ROWS if self.split_stage is not None else ())}
       xs["embed_pos"] = jnp.asarray(self.step_embedding.embed_pos[t0:t1])
       # Where every stage has work in every tick of the run (2bw's steady
       # state), no cond guards it: a cond costs the CPU runtime some overlap.
@@ -527,16 +556,39 @@ class Engine:
       with jax.named_scope(PHASE["forward"]):
         stash = self._stash(ctx, row, stash, entry, c.fwd_buf)
       send_f = jnp.where(f_ok, y, jnp.zeros_like(y)).astype(c.fwd_buf.dtype)
+    wstash = c.wstash
     if kind.bwd:
       with jax.named_scope(PHASE["backward"]):
-        send_b, accs, losses = self._backward(kind, ctx, c, row, stash, g_head, accs, losses,
-                                              gaps[1])
+        if self.split_stage is not None:
+          send_b, wstash, losses = self._backward_input(ctx, c, row, stash, losses)
+        else:
+          send_b, accs, losses = self._backward(kind, ctx, c, row, stash, g_head, accs, losses,
+                                                gaps[1])
         g_x0 = jnp.where(ctx.is_first, send_b, jnp.zeros_like(send_b))
+    if kind.wgt:
+      with jax.named_scope(PHASE["backward"]):
+        accs = self._backward_weights(ctx, row, wstash, accs)
     if self.solo_stage is not None:
-      return TickCarry(send_f, send_b, stash, tuple(accs), losses), g_x0
+      return TickCarry(send_f, send_b, stash, tuple(accs), losses, wstash), g_x0
     with jax.named_scope(PHASE["send"]):
       fwd_buf, bwd_buf = self._exchange(kind, ctx, c, send_f, send_b)
-    return TickCarry(fwd_buf, bwd_buf, stash, tuple(accs), losses), g_x0
+      if self.split_stage is not None:
+        fwd_buf, bwd_buf = self._keep_received(ctx, row, c, fwd_buf, bwd_buf)
+    return TickCarry(fwd_buf, bwd_buf, stash, tuple(accs), losses, wstash), g_x0
+
+  def _keep_received(self, ctx: _Ctx, row: dict, c: TickCarry, fwd_buf: jax.Array,
+                     bwd_buf: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """zb1: the buffers with what arrived this tick, else what they held.
+
+    A stage may run its F (B) of a microbatch some ticks after its
+    neighbour sent the input (cotangent); the value waits in the buffer,
+    which only a neighbour's next F (B) replaces (`StepPlan.inbox_slots`
+    checks that it is read before).
+    """
+    s, last = ctx.stage, self.num_stages - 1
+    sent_f = (s > 0) & (row["fwd"][jnp.maximum(s - 1, 0)] >= 0)
+    sent_b = (s < last) & (row["bwd"][jnp.minimum(s + 1, last)] >= 0)
+    return jnp.where(sent_f, fwd_buf, c.fwd_buf), jnp.where(sent_b, bwd_buf, c.bwd_buf)
 
   def _exchange(self, kind: TickKind, ctx: _Ctx, c: TickCarry, send_f: jax.Array,
                 send_b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -634,6 +686,9 @@ class Engine:
 
     def forward(blocks):
       blocks = chunk_of(blocks, chunk, self.chunks)
+      if self.stash_mode == "residuals" and self.split_stage is not None:
+        y, aux, kept = self.split_stage.forward(blocks, x_in)
+        return y.astype(x_in.dtype), aux, {"res": make_varying(kept)}
       if self.stash_mode == "residuals":
         y, aux, kept, layout = _forward_with_vjp(fns.stage, blocks, x_in)
         assert layout.layout == ctx.layout.layout, "the stage traced differently"
@@ -662,10 +717,14 @@ class Engine:
     # With v > 1 chunks the head runs when the last stage's forward is of the
     # last chunk: the same on every stage (it is the tick's row), so a cond
     # around collectives is one that every stage takes alike.
+    # zb1's ticks are all of one kind: the head runs when the last stage's
+    # forward does, under a cond that every stage likewise takes alike.
     runs = None
     if self.chunks > 1:
       runs = row["fwd_chunk"][self.num_stages - 1] == self.chunks - 1
       last_ok = last_ok & runs
+    elif self.split_stage is not None:
+      runs = last >= 0
     if self.split:
       # psum of the last stage's output (zeros elsewhere): a broadcast that
       # also makes every stage's head wait for every stage's forward.
@@ -771,6 +830,64 @@ class Engine:
       mine = b_ok if kind.bwd_version is not None else b_ok & (row["acc"][s] == a)
       losses = losses.at[a].add(jnp.where(mine, aux_b, 0.0))
     return g_x, accs, losses
+
+  def _backward_input(self, ctx: _Ctx, c: TickCarry, row: dict, stash: dict,
+                      losses: jax.Array) -> tuple[jax.Array, Tree, jax.Array]:
+    """zb1's B on this stage: (input cotangent to send, W's stash ring, losses).
+
+    B pulls the cotangent back to the stage input only (`SplitStage`; with
+    `stash='inputs'` it recomputes the forward once, and W does not) and
+    keeps what W needs in W's ring, at the slot the plan names; the weights'
+    gradient is W's. The last stage's cotangent is the head's, stashed by
+    its forward's tick. B adds the forward's auxiliary loss, as a backward does.
+    """
+    s, split = ctx.stage, self.split_stage
+    b = row["bwd"][s]
+    b_ok = self._valid(ctx, b)
+    slot = self._slot(ctx, b, row["bwd_slot"][s])
+    blocks = ctx.blocks[0]
+
+    def run():
+      entry = jax.tree.map(lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False),
+                           stash)
+      g_y = jnp.where(ctx.is_last, entry["dh"], c.bwd_buf).astype(c.bwd_buf.dtype)
+      g_aux = make_varying(jnp.ones((), entry["aux"].dtype))
+      if self.stash_mode == "residuals":
+        g_x, w = split.backward_input(blocks, entry["res"], g_y, g_aux)
+      else:
+        g_x, w = split.backward_input_from_inputs(blocks, entry["x"], g_y, g_aux)
+      return make_varying((g_x.astype(c.bwd_buf.dtype), w, entry["aux"]))
+
+    # An empty slot runs no B and computes nothing (other stages may be busy).
+    g_x, w, aux = _only_if(b_ok, run)
+    # Written outside the cond, as the forward's stash is (see `_stash`).
+    wslot = jnp.where(b >= 0, row["bwd_wslot"][s], self.w_trash)
+    wstash = jax.tree.map(
+        lambda r, v: lax.dynamic_update_index_in_dim(r, v.astype(r.dtype), wslot, 0),
+        c.wstash, w)
+    losses = losses.at[0].add(jnp.where(b_ok, aux, 0.0))
+    return g_x, wstash, losses
+
+  def _backward_weights(self, ctx: _Ctx, row: dict, wstash: Tree, accs: list) -> list:
+    """zb1's W on this stage: the accumulators with the weights' gradient added.
+
+    W reads what B kept for it (W's ring, at the slot the plan names) and
+    runs the weight-gradient half of the backward alone, under a cond on
+    this stage's own row: an empty slot adds nothing and computes nothing.
+    """
+    s = ctx.stage
+    w = row["wgt"][s]
+    slot = jnp.where(w >= 0, row["wgt_slot"][s], self.w_trash)
+    blocks, acc = ctx.blocks[0], accs[0][0]
+
+    def run():
+      entry = jax.tree.map(lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False),
+                           wstash)
+      g = self.split_stage.backward_weights(blocks, entry)
+      return make_varying(jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g))
+
+    acc = lax.cond(self._valid(ctx, w), run, lambda: acc)
+    return [(acc, accs[0][1])] + list(accs[1:])
 
   def _embed_grad_step(self, ctx: _Ctx, carry: TickCarry, grads_x0: list) -> TickCarry:
     """The carry with the step's embedding gradients added, once for all of stage 0's backwards.

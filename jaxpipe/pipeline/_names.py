@@ -15,7 +15,7 @@ __all__ = ["ScheduleName", "StashMode", "Layout", "SCHEDULE_NAMES", "PIPELINED",
            "LAYOUTS", "STAGE", "DATA", "experts_split"]
 
 # `none` is one device with gradient accumulation; the others are pipelined.
-ScheduleName = Literal["none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved"]
+ScheduleName = Literal["none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved", "zb1"]
 # What a forward keeps for its backward: the stage input (recomputed) or jax.vjp's residuals.
 StashMode = Literal["inputs", "residuals"]
 # The mesh's axes; a layout names the one that spans nodes when the devices are on several.

@@ -1,4 +1,4 @@
-"""Training schedules behind one interface: none, gpipe, 1f1b, 2bw, pipedream, interleaved.
+"""Training schedules behind one interface: none, gpipe, 1f1b, 2bw, pipedream, interleaved, zb1.
 
 A `Schedule` owns a mesh, the model's `StageFns` and an optax optimizer. Its
 state is a typed pytree (`SyncState`, `PipeDreamState`, `TwoBWState`): the
@@ -211,6 +211,22 @@ class OneFOneB(_OneVersion):
   """1F1B (PipeDream-Flush): S-1 forward-only ticks, M ticks of both, S-1 backward-only."""
 
   name = "1f1b"
+
+
+class ZeroBubbleH1(_OneVersion):
+  """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B with the backward split.
+
+  Each stage's backward runs as B (the input's gradient, which the previous
+  stage waits for) and W (the weights', which can wait): stage s runs
+  1F1B's order of F and B and W of microbatch m right after B of m + s, so
+  the W fill 1F1B's drain (`_zbh1`). A step of 3M+S-1 ticks of one F, B or
+  W per stage, a bubble of (S-1)/(3M+S-1) under F = B = W. The split
+  recomputes nothing (`_split`); W's stash holds, per weight use, its input
+  and its output cotangent, for up to S microbatches. One weight version, a
+  flush every step: it trains exactly as `none` on the whole batch.
+  """
+
+  name = "zb1"
 
 
 class Interleaved(_OneVersion):
@@ -490,7 +506,7 @@ class TwoBW(_Pipelined):
 
 
 _CLASSES = {"none": NoPipeline, "gpipe": GPipe, "1f1b": OneFOneB, "2bw": TwoBW,
-            "pipedream": PipeDream, "interleaved": Interleaved}
+            "pipedream": PipeDream, "interleaved": Interleaved, "zb1": ZeroBubbleH1}
 
 
 def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformation,

@@ -23,6 +23,17 @@ and per tick (arrays of shape [ticks]), for the work every stage shares:
   embed_acc          microbatch, whose embedding gradient every stage adds to
                      its slice.
 
+ZB-H1 (`zb1`, a backward split into B and W: `split_backward`) adds, per
+(tick, stage),
+
+  wgt                the window index of the microbatch whose weight gradient
+                     (W) stage s runs, or -1 (every other plan: -1 throughout);
+  bwd_wslot,         the slot of W's stash that B writes and W reads (the
+  wgt_slot           engine's second ring, of `w_slots` slots);
+
+and there `bwd` is B alone (the input's gradient; its weight gradient waits
+in W's stash for the stage's W).
+
 Interleaved 1F1B (`virtual_stages` v > 1) adds, per (tick, stage),
 
   fwd_chunk,         which of the stage's v chunks of blocks that forward (and
@@ -61,16 +72,23 @@ from typing import Optional
 import numpy as np
 
 from jaxpipe.pipeline._names import PIPELINED, SCHEDULE_NAMES
+from jaxpipe.pipeline._zbh1 import zb_h1
 
 __all__ = ["StepPlan", "TickKind", "Facts", "Cell", "Timetable",
            "step_plan", "facts", "timetable", "min_microbatches", "stash_slots",
-           "FORWARD_COST", "BACKWARD_COST", "layer_order", "check_virtual_stages"]
+           "FORWARD_COST", "BACKWARD_COST", "INPUT_GRAD_COST", "WEIGHT_GRAD_COST",
+           "layer_order", "check_virtual_stages"]
 
 # The cost model of a tick: a forward of one stage on one microbatch is one
 # unit, its backward two (a backward computes the gradients of both the
 # inputs and the weights). A tick lasts as long as its slowest stage: a tick
 # in which some stage runs a backward and some stage a forward costs 3.
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
+# Split into its two halves (zb1): B, the input's gradient, and W, the
+# weights', one unit each (ZB-H1's own model, F = B = W); they add up to the
+# backward, since the split recomputes nothing (`_split`). A zb1 tick runs at
+# most one of F, B, W per stage and lasts as long as its slowest: one unit.
+INPUT_GRAD_COST, WEIGHT_GRAD_COST = 1.0, 1.0
 
 
 def min_microbatches(schedule: str, num_stages: int, virtual_stages: int = 1) -> int:
@@ -198,7 +216,9 @@ def stash_slots(schedule: str, num_stages: int, num_microbatches: int,
   forward to its backward, 2(S-1-s) ticks later; the engine writes a tick's
   forward before it reads its backward, so 2(S-1)+1 slots serve every stage
   of 1f1b, 2bw and pipedream. GPipe runs every forward before any backward:
-  M slots. Interleaved: as many as its plan has alive at once ((v+1)S-1
+  M slots. ZB-H1: S (stage 0 holds 1F1B's S forwards before its first B; a
+  stage's F of microbatch m + S comes after its B of m, so slot m mod S).
+  Interleaved: as many as its plan has alive at once ((v+1)S-1
   chunk inputs once M v reaches that; see `_interleaved`).
   """
   if schedule == "gpipe":
@@ -207,6 +227,8 @@ def stash_slots(schedule: str, num_stages: int, num_microbatches: int,
     return 0
   if schedule == "interleaved":
     return _interleaved(num_stages, num_microbatches, virtual_stages)[-1]
+  if schedule == "zb1":
+    return num_stages
   return 2 * (num_stages - 1) + 1
 
 
@@ -224,7 +246,10 @@ class TickKind:
       In an interleaved plan (v > 1) they say what the tick would use if
       its microbatch met the embedding (the head, ...): whether it does
       changes with the chunks every S ticks, and the engine reads that from
-      the tick's chunks, so that the steady state stays one loop.
+      the tick's chunks, so that the steady state stays one loop. In a zb1
+      plan, likewise, from the tick's row: every tick of its step is of one
+      kind (see `StepPlan.kind`).
+    wgt: whether any stage runs a weight gradient W (zb1 only).
   """
   fwd: bool
   bwd: bool
@@ -235,6 +260,7 @@ class TickKind:
   head_acc: Optional[int]
   embed_grad_version: Optional[int]
   embed_acc: Optional[int]
+  wgt: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -260,6 +286,13 @@ class StepPlan:
     embed_version, head_version, head_acc, embed_grad_version, embed_acc: int32 [T].
     fwd_chunk, bwd_chunk: int32 [T, S], the chunk of each forward and
       backward (-1 for none).
+    split_backward: B and W run apart (zb1): `bwd` is B, `wgt` W.
+    wgt, bwd_wslot, wgt_slot: int32 [T, S] (-1 throughout but in zb1).
+    w_slots: W's stash slots per stage (0 but in zb1).
+    inbox_slots: in zb1, a stage may run its F (its B) of a microbatch
+      some ticks after its neighbour sent the input (the cotangent), which
+      waits until then: how many such values a stage must hold at once
+      (`_inbox_slots`; 1 for ZB-H1's orders, which the engine requires).
   """
   schedule: str
   num_stages: int
@@ -287,6 +320,12 @@ class StepPlan:
   embed_acc: np.ndarray
   fwd_chunk: np.ndarray
   bwd_chunk: np.ndarray
+  split_backward: bool = False
+  wgt: Optional[np.ndarray] = None
+  bwd_wslot: Optional[np.ndarray] = None
+  wgt_slot: Optional[np.ndarray] = None
+  w_slots: int = 0
+  inbox_slots: int = 0
 
   @property
   def num_ticks(self) -> int:
@@ -301,6 +340,8 @@ class StepPlan:
     def scalar(x):
       return None if int(x) < 0 else int(x)
 
+    if self.split_backward:
+      return self._split_kind()
     f_ok, b_ok = self.fwd[tick] >= 0, self.bwd[tick] >= 0
     shared = (self.embed_version[tick], self.head_version[tick], self.head_acc[tick],
               self.embed_grad_version[tick], self.embed_acc[tick])
@@ -315,6 +356,15 @@ class StepPlan:
     return TickKind(bool(f_ok.any()), bool(b_ok.any()),
                     uniform(self.fwd_version[tick], f_ok), uniform(self.bwd_version[tick], b_ok),
                     *map(scalar, shared))
+
+  def _split_kind(self) -> TickKind:
+    """zb1's one kind for every tick: a loop of F, head, B and W, each gated per tick.
+
+    A slot's three kinds of work move between the stages every tick, so the
+    step is one loop whose body holds all of them, each stage's under a cond
+    on its own row (and the head on the last stage's forward).
+    """
+    return TickKind(True, True, 0, 0, 0, 0, 0, 0, 0, wgt=True)
 
   def kinds(self) -> list[TickKind]:
     """The distinct tick kinds of the step, in order of first appearance."""
@@ -345,8 +395,13 @@ class StepPlan:
     """[T] duration of each tick under the cost model (FORWARD_COST, BACKWARD_COST).
 
     An interleaved tick runs one chunk, 1/v of a stage's blocks: it lasts 1/v
-    of a tick of the other schedules.
+    of a tick of the other schedules. A zb1 tick lasts as long as the
+    longest of its stages' one item each (F, B or W, one unit each).
     """
+    if self.split_backward:
+      work = (FORWARD_COST * (self.fwd >= 0) + INPUT_GRAD_COST * (self.bwd >= 0)
+              + WEIGHT_GRAD_COST * (self.wgt >= 0))
+      return work.max(axis=1).astype(float)
     return np.array([(FORWARD_COST * k.fwd + BACKWARD_COST * k.bwd) / self.virtual_stages
                      for k in map(self.kind, range(self.num_ticks))])
 
@@ -354,6 +409,28 @@ class StepPlan:
 def _per_tick(column: np.ndarray, table: np.ndarray) -> np.ndarray:
   """table[column] where column >= 0, else -1 (an int32 [T] or [T, S] array)."""
   return np.where(column >= 0, table[np.maximum(column, 0)], -1).astype(np.int32)
+
+
+def _inbox_slots(fwd: np.ndarray, bwd: np.ndarray) -> int:
+  """The fewest inbox slots K with which slot m mod K is never overwritten before it is read.
+
+  Stage s's input of microbatch m arrives at the end of stage s-1's F of m
+  and is read at the start of stage s's F of m; the input of m + K, which
+  takes the same slot, must not arrive before that (the same for the
+  cotangents, from stage s+1's B to stage s's). A tick reads before it writes.
+  """
+  def tick_of(table, s):
+    return {int(m): t for t, m in enumerate(table[:, s]) if m >= 0}
+
+  pairs = []
+  for s in range(1, fwd.shape[1]):
+    pairs.append((tick_of(fwd, s - 1), tick_of(fwd, s)))     # (sent, read) of the inputs
+    pairs.append((tick_of(bwd, s), tick_of(bwd, s - 1)))     # and of the cotangents
+  m = fwd.max() + 1
+  for k in range(1, m + 1):
+    if all(read[i] <= sent[i + k] for sent, read in pairs for i in range(m - k)):
+      return k
+  return int(m)
 
 
 def step_plan(schedule: str, num_stages: int, num_microbatches: int,
@@ -371,6 +448,7 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int,
                      f"microbatches for {s_} stages, got {m}")
   stage = np.arange(s_)[None, :]
   fwd_chunk = bwd_chunk = fwd_slot = bwd_slot = None
+  wgt = None
   if schedule == "2bw":
     window, history, versions = 2 * m, m, 2
     tick = np.arange(m)[:, None]
@@ -393,6 +471,13 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int,
     fwd, fwd_chunk, bwd, bwd_chunk, fwd_slot, bwd_slot, _ = _interleaved(s_, m, v)
     batch = np.zeros(window, np.int32)
     slot = None
+  elif schedule == "zb1":
+    # ZB-H1's slots as ticks: each stage runs at most one of F, B, W per tick.
+    window, history, versions = m, 0, 1
+    table = zb_h1(s_, m)
+    fwd, bwd, wgt = table.fwd, table.bwd, table.wgt
+    batch = np.zeros(window, np.int32)
+    slot = np.arange(window)
   else:  # gpipe: M+S-1 forward ticks, then the backwards in reverse order.
     window, history, versions = m, 0, 1
     tick = np.arange(m + s_ - 1)[:, None]
@@ -417,6 +502,11 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int,
   grads = np.where(bwd_chunk[:, 0] == 0, bwd[:, 0], -1)
   head_version = _per_tick(heads, batch)
   shared_versions = versions
+  split = wgt is not None
+  # W's stash lives from B to W, at most s + 1 <= S microbatches on stage s
+  # (`_zbh1`): slot m mod S.
+  wslot = np.arange(window) % s_
+  wgt = np.full_like(fwd, -1) if wgt is None else wgt.astype(np.int32)
   if schedule == "pipedream":
     # Shared version 0 is the embedding's (stage 0's lag), 1 the head's (none).
     head_version = np.where(fwd[:, -1] >= 0, 1, -1).astype(np.int32)
@@ -425,12 +515,16 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int,
       schedule=schedule, num_stages=s_, num_microbatches=m, window=window, history=history,
       num_versions=versions, num_shared_versions=shared_versions, num_accumulators=versions,
       slots=stash_slots(schedule, s_, m, v), slot_base_step=schedule == "2bw",
-      head_stash=schedule == "gpipe", virtual_stages=v,
+      head_stash=schedule in ("gpipe", "zb1"), virtual_stages=v,
       fwd=fwd, bwd=bwd, fwd_version=_per_tick(fwd, batch), bwd_version=_per_tick(bwd, batch),
       acc=acc, fwd_slot=fwd_slot.astype(np.int32), bwd_slot=bwd_slot.astype(np.int32),
       embed_version=_per_tick(embeds, batch), head_version=head_version,
       head_acc=_per_tick(heads, batch), embed_grad_version=_per_tick(grads, batch),
-      embed_acc=_per_tick(grads, batch), fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk)
+      embed_acc=_per_tick(grads, batch), fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk,
+      split_backward=split, wgt=wgt,
+      bwd_wslot=_per_tick(bwd, wslot) if split else np.full_like(fwd, -1),
+      wgt_slot=_per_tick(wgt, wslot), w_slots=s_ if split else 0,
+      inbox_slots=_inbox_slots(fwd, bwd) if split else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,7 +571,7 @@ def facts(schedule: str, num_stages: int, num_microbatches: int,
     raise ValueError(f"unknown schedule '{schedule}'; choose from {', '.join(SCHEDULE_NAMES)}")
   delay = {"none": "none (or optimizer.delay)", "gpipe": "none", "1f1b": "none",
            "2bw": "one step", "pipedream": "S-1-s steps on stage s",
-           "interleaved": "none"}[schedule]
+           "interleaved": "none", "zb1": "none"}[schedule]
   if schedule == "none":
     check_virtual_stages(schedule, s_, m, v)
     cost = (FORWARD_COST + BACKWARD_COST) * m * s_
@@ -487,9 +581,10 @@ def facts(schedule: str, num_stages: int, num_microbatches: int,
   # Busy time: every microbatch's forward and backward on every stage; a 2bw
   # step in steady state runs M of each (the previous batch's last ones
   # included), as do the flushed schedules (interleaved's v chunks make one
-  # stage's work).
+  # stage's work; zb1's B and W together cost a backward).
   busy = (FORWARD_COST + BACKWARD_COST) * m * s_
-  versions = {"gpipe": 1, "1f1b": 1, "2bw": 2, "pipedream": s_, "interleaved": 1}[schedule]
+  versions = {"gpipe": 1, "1f1b": 1, "2bw": 2, "pipedream": s_, "interleaved": 1,
+              "zb1": 1}[schedule]
   # Every forward sends its output on, but the last stage's of the last chunk.
   sends = int(((plan.fwd >= 0) & (plan.fwd_chunk * s_ + np.arange(s_) < v * s_ - 1)).sum())
   return Facts(schedule, s_, m, min_microbatches(schedule, s_, v), plan.num_ticks, cost,
@@ -505,7 +600,8 @@ class Cell:
   batch k in 2bw; with pipedream stage s runs batch k on v[k - (S-1-s)]).
   A chunk is which of the stage's chunks of blocks the forward (backward)
   runs: 0 but in interleaved, where chunk j of stage s is the pipeline's
-  virtual stage j*S + s.
+  virtual stage j*S + s. In zb1 `bwd` is B (the input's gradient) and `wgt`
+  W (the weights'), with `wgt_slot` W's stash slot; None elsewhere.
   """
   fwd: Optional[int] = None
   bwd: Optional[int] = None
@@ -515,6 +611,8 @@ class Cell:
   bwd_slot: Optional[int] = None
   fwd_chunk: Optional[int] = None
   bwd_chunk: Optional[int] = None
+  wgt: Optional[int] = None
+  wgt_slot: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,7 +621,8 @@ class Timetable:
 
   `tick_costs[t]` is tick t's duration under the cost model (1 for a
   forward, 2 for a backward, 3 for a tick with both; divided by v for
-  interleaved's ticks, which run one of a stage's v chunks).
+  interleaved's ticks, which run one of a stage's v chunks; 1 for zb1's, in
+  which each stage runs one of F, B and W, `split_backward`).
   """
   schedule: str
   num_stages: int
@@ -533,6 +632,7 @@ class Timetable:
   cells: tuple[tuple[Cell, ...], ...]
   tick_costs: tuple[float, ...]
   virtual_stages: int = 1
+  split_backward: bool = False
 
   @property
   def num_ticks(self) -> int:
@@ -546,7 +646,9 @@ class Timetable:
     interleaved's chunks), out of the step's duration.
     """
     lo, hi = step * self.ticks_per_step, (step + 1) * self.ticks_per_step
-    busy = sum(FORWARD_COST * (c.fwd is not None) + BACKWARD_COST * (c.bwd is not None)
+    b_cost = INPUT_GRAD_COST if self.split_backward else BACKWARD_COST
+    busy = sum(FORWARD_COST * (c.fwd is not None) + b_cost * (c.bwd is not None)
+               + WEIGHT_GRAD_COST * (c.wgt is not None)
                for row in self.cells[lo:hi] for c in row) / self.virtual_stages
     return 1.0 - busy / (sum(self.tick_costs[lo:hi]) * self.num_stages)
 
@@ -558,8 +660,11 @@ class Timetable:
     weight version when more than one is alive, and with v > 1 chunks a
     `c` the stage's chunk (`F3c1`: microbatch 3 through the stage's second
     chunk); `.` is an idle slot, and a tick in which no stage runs a forward
-    (or a backward) drops that half.
+    (or a backward) drops that half. A zb1 cell is one of `F3`, `B3` (the
+    input's gradient) and `W3` (the weights'), or `.`.
     """
+    if self.split_backward:
+      return self._ascii_split()
     many_versions = self.schedule in ("2bw", "pipedream")
     chunks = self.virtual_stages > 1
 
@@ -588,9 +693,30 @@ class Timetable:
     lines.append(head)
     for s in range(self.num_stages):
       lines.append(f"stage {s:<2}" + " ".join(f"{cols[t][s]:>{width}}" for t in range(self.num_ticks)))
-    for k in range(self.num_steps):
-      lines.append(f"step {k}: idle {self.idle_fraction(k):.1%} of stage time")
+    lines += self._idle_lines()
     return "\n".join(lines)
+
+  def _idle_lines(self) -> list[str]:
+    return [f"step {k}: idle {self.idle_fraction(k):.1%} of stage time"
+            for k in range(self.num_steps)]
+
+  def _ascii_split(self) -> str:
+    """`ascii` of a zb1 timetable: one item (F, B or W) or `.` per cell."""
+    def item(c: Cell) -> str:
+      for kind, mb in (("F", c.fwd), ("B", c.bwd), ("W", c.wgt)):
+        if mb is not None:
+          return f"{kind}{mb}"
+      return "."
+
+    cols = [[item(c) for c in row] for row in self.cells]
+    width = max(max(len(x) for col in cols for x in col), len(str(self.num_ticks - 1)))
+    lines = [f"{self.schedule}: S={self.num_stages} M={self.num_microbatches}, "
+             f"{self.ticks_per_step} ticks per step, {self.num_steps} steps",
+             "tick    " + " ".join(f"{t:>{width}}" for t in range(self.num_ticks))]
+    for s in range(self.num_stages):
+      lines.append(f"stage {s:<2}" + " ".join(f"{cols[t][s]:>{width}}"
+                                              for t in range(self.num_ticks)))
+    return "\n".join(lines + self._idle_lines())
 
 
 def timetable(schedule: str, num_stages: int, num_microbatches: int,
@@ -627,7 +753,7 @@ def timetable(schedule: str, num_stages: int, num_microbatches: int,
     for t in range(plan.num_ticks):
       row = []
       for s in range(s_):
-        f, b = int(plan.fwd[t, s]), int(plan.bwd[t, s])
+        f, b, w = int(plan.fwd[t, s]), int(plan.bwd[t, s]), int(plan.wgt[t, s])
         fg = k * m + first + f if f >= 0 else None
         bg = k * m + first + b if b >= 0 else None
         fg = fg if fg is not None and fg >= 0 else None   # 2bw's fill: no batch -1
@@ -639,8 +765,10 @@ def timetable(schedule: str, num_stages: int, num_microbatches: int,
             None if fg is None else (base + int(plan.fwd_slot[t, s])) % plan.slots,
             None if bg is None else (base + int(plan.bwd_slot[t, s])) % plan.slots,
             None if fg is None else int(plan.fwd_chunk[t, s]),
-            None if bg is None else int(plan.bwd_chunk[t, s])))
+            None if bg is None else int(plan.bwd_chunk[t, s]),
+            k * m + w if w >= 0 else None,
+            int(plan.wgt_slot[t, s]) if w >= 0 else None))
       rows.append(tuple(row))
   costs = tuple(float(c) for c in plan.tick_costs()) * num_steps
   return Timetable(schedule, s_, m, num_steps, plan.num_ticks, tuple(rows), costs,
-                   virtual_stages)
+                   virtual_stages, plan.split_backward)
