@@ -1,0 +1,247 @@
+"""ZB-H1 (`zb1`) against the one-device reference, and what its step executes.
+
+On the emulated 8-device CPU mesh (`conftest.py`), in float32, on the tiny
+model of `_pipeline_util`:
+- zb1 at S=2 and S=4, data 1 and 2, both stashes, tied embeddings,
+  `model.remat=dots`, a gradient clip that binds, the head on the last
+  stage and M below S, each against `schedule=none` on the same global
+  batch (it flushes every step: no delay);
+- what every stage of a zb1 step runs, recorded from inside the step,
+  against the timetable's cells: with `stash='residuals'` exactly one
+  forward per microbatch and stage (B and W recompute nothing), with
+  'inputs' one more, in B;
+- the plan's rings: every B reads what its F stashed, every W what its B
+  kept, and a received input or cotangent waits for its F or B in one buffer.
+
+"Match" is `_pipeline_util.assert_runs_match` (losses rtol 1e-5, weights
+atol 5e-6).
+"""
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import io_callback
+
+from jaxpipe.pipeline import facts, make_mesh, make_schedule, step_plan, timetable
+
+from tests import _pipeline_util as util
+from tests._pipeline_util import STEPS, assert_runs_match, run
+
+# (S, D, M, stash, variant): S=2 and 4, data 1 and 2, both stashes; the
+# variants ride on shapes that cover them cheaply (each run is a compile).
+CASES = [
+    (2, 1, 8, "residuals", "tied"),
+    (2, 2, 4, "inputs", "clip"),
+    (4, 1, 8, "residuals", "dots"),
+    (4, 2, 4, "inputs", "plain"),
+    (4, 2, 2, "residuals", "last_stage"),
+]
+CLIP = 0.1   # below every gradient norm of these runs: the clip binds
+
+
+def _variant(variant):
+  """(model config, optimizer kwargs, run kwargs) of a variant."""
+  if variant == "tied":
+    return util.config(tie_embeddings=True), {}, {}
+  if variant == "dots":
+    return util.config(remat="dots"), {}, {}
+  if variant == "clip":
+    return util.CONFIG, {"clip": CLIP}, {}
+  if variant == "last_stage":
+    return util.CONFIG, {}, {"vocab_parallel": False}
+  return util.CONFIG, {}, {}
+
+
+def _reference(m, variant):
+  cfg, opt, _ = _variant(variant)
+  # remat recomputes the same float32 operations: the plain model is the reference.
+  cfg = util.CONFIG if variant == "dots" else cfg
+  return run("none", 1, 1, m, "adamw", cfg=cfg, **opt)
+
+
+@pytest.mark.parametrize("s,d,m,stash,variant", CASES,
+                         ids=[f"S{s}-D{d}-M{m}-{st}-{x}" for s, d, m, st, x in CASES])
+def test_zb1_matches_one_device(s, d, m, stash, variant):
+  """zb1 trains exactly as one device on the whole batch.
+
+  Every batch's loss at the weights it ran on, and the final weights, to
+  float32 rounding: B and W together give the unsplit gradient, each W
+  adds into the step's accumulator once.
+  """
+  cfg, opt, extra = _variant(variant)
+  got = run("zb1", s, d, m, "adamw", stash=stash, cfg=cfg, **opt, **extra)
+  want = _reference(m, variant)
+  assert got.loss_steps == tuple(range(STEPS))
+  assert_runs_match(got, want)
+  if variant == "clip":
+    assert np.all(got.grad_norms > 2 * CLIP)
+    np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=1e-5)
+  if variant == "tied":
+    assert "out" not in got.params["head"]
+
+
+# --- what the engine executes ------------------------------------------------
+
+# S=4 stages on data 2, M=4: 15 ticks.
+COUNT = (4, 2, 4)
+
+
+def _counting(stage, log):
+  """`stage` reporting every forward it runs (stage, data, input) from the device, in order.
+
+  The report is in the forward itself and in the forward of its vjp (a
+  custom_vjp whose backward is the stage's own pullback, from the stage's
+  residuals: nothing recomputed there), so a forward that B recomputes
+  (`stash='inputs'`) reports too.
+  """
+  def report(x):
+    record = lambda s, d, x: log.append((int(s), int(d), np.array(x)))
+    io_callback(record, None, lax.axis_index("stage"), lax.axis_index("data"), x, ordered=True)
+
+  @jax.custom_vjp
+  def counted(blocks, x):
+    report(x)
+    return stage(blocks, x)
+
+  def forward(blocks, x):
+    report(x)
+    out, pull = jax.vjp(stage, blocks, x)
+    return out, pull
+
+  def backward(pull, g):
+    return pull(g)
+
+  counted.defvjp(forward, backward)
+  return counted
+
+
+def _stage_inputs(params, tokens, num_stages):
+  """{stage: [input of each microbatch]}, on one device."""
+  mdl = util.model(util.CONFIG)
+  per = util.CONFIG.n_layers // num_stages
+  out = collections.defaultdict(list)
+  for tok in tokens:
+    x = mdl.embed(params, tok)
+    for s in range(num_stages):
+      out[s].append(np.asarray(x))
+      part = jax.tree.map(lambda w: w[s * per:(s + 1) * per], params["blocks"])
+      x, _ = mdl.apply_blocks(part, x)
+  return out
+
+
+@functools.cache
+def _counted(stash):
+  """{(step, stage, data): [global microbatch of each forward]} of two steps."""
+  s_, d_, m = COUNT
+  log = []
+  fns = util.stage_fns(util.CONFIG)
+  fns = fns._replace(stage=_counting(fns.stage, log))
+  sch = make_schedule("zb1", fns, util.optimizer("adamw"), make_mesh(s_, d_), m, stash=stash)
+  state = sch.init(jax.tree.map(jnp.asarray, util.initial_params(util.CONFIG)),
+                   (m, util.ROWS, util.SEQ))
+  rows = util.ROWS // d_
+  calls = {}
+  for k, (tok, tgt) in enumerate(util.batches(m, util.CONFIG.vocab_size)[:2]):
+    inputs = _stage_inputs(sch.params(state), tok, s_)
+    log.clear()
+    state, metrics = sch.step(state, jax.device_put(tok, sch.batch_sharding()),
+                              jax.device_put(tgt, sch.batch_sharding()))
+    assert bool(metrics["ran"])
+    jax.effects_barrier()
+    for s, d, x in log:
+      near = [i for i in range(m)
+              if np.allclose(x, inputs[s][i][d * rows:(d + 1) * rows], rtol=0, atol=1e-4)]
+      assert len(near) == 1, f"step {k}: stage {s} ran on the input of no microbatch"
+      calls.setdefault((k, s, d), []).append(k * m + near[0])
+  return calls
+
+
+def _planned(step, stage, with_b):
+  """The forwards the timetable gives a stage in a step, in tick order: its F cells
+  (and, `with_b`, its B cells, which recompute the forward)."""
+  s_, _, m = COUNT
+  plan = step_plan("zb1", s_, m)
+  table = timetable("zb1", s_, m, num_steps=2)
+  out = []
+  for t in range(plan.num_ticks):
+    c = table.cells[step * plan.num_ticks + t][stage]
+    for mb, column in ((c.fwd, plan.fwd), (c.bwd, plan.bwd), (c.wgt, plan.wgt)):
+      assert mb == (None if column[t, stage] < 0 else step * m + int(column[t, stage]))
+    assert sum(x is not None for x in (c.fwd, c.bwd, c.wgt)) <= 1
+    if c.fwd is not None:
+      out.append(c.fwd)
+    if with_b and c.bwd is not None:
+      out.append(c.bwd)
+  return out
+
+
+@pytest.mark.parametrize("stash", ["residuals", "inputs"])
+def test_zb1_runs_one_forward_per_microbatch_and_stage(stash):
+  """Every stage's forwards are the drawn cells, in order, and nothing else runs one.
+
+  Recorded from inside the step (an io_callback in the stage function's
+  forward; the microbatch recognised by the input against every stage's
+  inputs computed on one device). With `stash='residuals'` each stage runs
+  each microbatch's forward exactly once, at its F: neither B nor W
+  recomputes it. With 'inputs', B recomputes it once, and W never does.
+  """
+  s_, d_, m = COUNT
+  calls = _counted(stash)
+  assert sorted(calls) == [(k, s, d) for k in range(2) for s in range(s_) for d in range(d_)]
+  for (k, s, d), got in calls.items():
+    assert got == _planned(k, s, stash == "inputs"), (k, s, d)
+    per = collections.Counter(got)
+    assert set(per.values()) == {1 if stash == "residuals" else 2}
+    assert sorted(per) == list(range(k * m, (k + 1) * m))
+
+
+# --- the plan -----------------------------------------------------------------
+
+@pytest.mark.parametrize("s", [2, 3, 4, 8])
+def test_zb1_plan_rings_hold_each_value_until_it_is_read(s):
+  """Replaying the plan's slots: every B reads its F's stash entry, every W its B's.
+
+  A tick writes (F's entry, B's W stash) after it reads, per stage; a
+  received input (cotangent) is read by the stage's F (B) of that
+  microbatch before the neighbour sends the next one (`inbox_slots` 1).
+  """
+  for m in range(1, 13):
+    plan = step_plan("zb1", s, m)
+    assert plan.split_backward and plan.slots == s and plan.w_slots == s
+    assert plan.inbox_slots == 1
+    for st in range(s):
+      ring, wring = {}, {}
+      for t in range(plan.num_ticks):
+        f, b, w = (int(a[t, st]) for a in (plan.fwd, plan.bwd, plan.wgt))
+        assert (f >= 0) + (b >= 0) + (w >= 0) <= 1
+        if b >= 0:
+          assert ring[int(plan.bwd_slot[t, st])] == b
+          wring[int(plan.bwd_wslot[t, st])] = b
+        if w >= 0:
+          assert wring[int(plan.wgt_slot[t, st])] == w
+        if f >= 0:
+          ring[int(plan.fwd_slot[t, st])] = f
+      assert sorted(plan.wgt[:, st][plan.wgt[:, st] >= 0]) == list(range(m))
+
+
+@pytest.mark.parametrize("s,m", [(2, 8), (4, 8), (4, 4), (8, 16)])
+def test_zb1_facts(s, m):
+  """3M+S-1 ticks of one unit each (F = B = W = 1), a bubble of (S-1)/(3M+S-1).
+
+  The same from the facts, the plan's tick costs and the drawn cells; one
+  weight version, no delay, S stash slots.
+  """
+  f = facts("zb1", s, m)
+  assert f.ticks == 3 * m + s - 1
+  assert f.step_cost == f.ticks
+  assert f.bubble == pytest.approx((s - 1) / (3 * m + s - 1))
+  assert f.bubble < facts("1f1b", s, m).bubble
+  assert (f.versions, f.gradient_delay, f.flushes, f.stash_slots) == (1, "none", True, s)
+  tt = timetable("zb1", s, m, num_steps=1)
+  assert tt.idle_fraction(0) == pytest.approx(f.bubble)
+  assert "W0" in tt.ascii() and f"idle {f.bubble:.1%}" in tt.ascii()
