@@ -102,7 +102,14 @@ def _check_viz_output(stdout: str, m: int) -> None:
   printed = {name: (float(a), float(b)) for name, a, b in re.findall(
       r"^bubble (\S+): steady ([0-9.]+) \(formula ([0-9.]+)\)$", stdout, re.M)}
   interleaved = printed.pop("interleaved", None)
+  zb1 = printed.pop("zb1")
   assert set(printed) == {"2bw", "1f1b", "gpipe", "pipedream"}
+  # ZB-H1: 3M+S-1 ticks of one unit (F, B or W), each stage busy 3M of them.
+  tt = timetable("zb1", 2, m, 2)
+  assert tt.ascii() in stdout and "W0" in tt.ascii()
+  assert zb1[0] == pytest.approx(1 / (3 * m + 1), abs=5e-5)
+  assert zb1[1] == pytest.approx(facts("zb1", 2, m).bubble, abs=5e-5)
+  assert zb1[0] == pytest.approx(tt.idle_fraction(1), abs=5e-5)
   if m % 2:
     assert interleaved is None and "interleaved left out" in stdout
   else:

@@ -25,9 +25,11 @@ Time axis: a tick is as wide as it lasts under the cost model of
 `Timetable.tick_costs` (a forward 1, a backward 2, a tick with both 3), and
 one unit of the axis is a "full" tick, with both: one forward and one
 backward per stage. An interleaved tick runs one of the stage's v chunks and
-is 1/v as wide. With `all` the panels share that axis, on which a
+is 1/v as wide. A zb1 tick runs one of F, B (the input's gradient) and W
+(the weights') per stage, one unit of work each: a third as wide, its cell
+labelled F3, B3 or W3. With `all` the panels share that axis, on which a
 step's length is its cost: M for 2bw, M+S-1 for gpipe, 1f1b and pipedream,
-M+(S-1)/v for interleaved. `all` leaves interleaved out (with a note) where
+M+(S-1)/v for interleaved, M+(S-1)/3 for zb1. `all` leaves interleaved out (with a note) where
 M is not a multiple of S; `--virtual-stages` (default 2) sets its v.
 
 Bad input exits with status 2 and one line on stderr.
@@ -191,7 +193,12 @@ def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
     x, w = edges[t], edges[t + 1] - edges[t]
     fwd_half, bwd_half = _tick_halves(tt, t)
     for s, c in enumerate(row):
-      if fwd_half and bwd_half:
+      if tt.split_backward:  # zb1: one of F, B, W per cell (W drawn as a backward)
+        kind, mb = next(((k, m) for k, m in (("F", c.fwd), ("B", c.bwd), ("W", c.wgt))
+                         if m is not None), ("F", None))
+        # One weight version per step (it flushes): the step's.
+        box(x, s, w, 1.0, mb, t // tt.ticks_per_step, kind == "F", kind, 0)
+      elif fwd_half and bwd_half:
         box(x, s, w, 0.5, c.fwd, c.fwd_version, True, "F", c.fwd_chunk)
         box(x, s + 0.5, w, 0.5, c.bwd, c.bwd_version, False, "B", c.bwd_chunk)
       elif fwd_half:
@@ -223,7 +230,8 @@ def _title(tt: Timetable) -> str:
            "pipedream": "S-1 forward-only, M full, S-1 backward-only",
            "gpipe": "M+S-1 forward-only, then M+S-1 backward-only",
            "interleaved": f"v={tt.virtual_stages} chunks per stage, each tick 1/v wide: "
-                          "vS-1 forward-only, vM-vS+S full, vS-1 backward-only"}[tt.schedule]
+                          "vS-1 forward-only, vM-vS+S full, vS-1 backward-only",
+           "zb1": "each stage one of F, B, W per tick, each tick 1/3 wide"}[tt.schedule]
   text = (f"{tt.schedule}: {f.ticks} ticks per step ({ticks}), a step lasts "
           f"{f.step_cost / _FULL_TICK:g} units, steady-state bubble {f.bubble:.1%}")
   if tt.schedule == "2bw":
