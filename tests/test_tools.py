@@ -431,14 +431,15 @@ def test_planner_cli_prints_the_table_and_warns(tmp_path):
   header = re.search(r"^per device\s+(.*)$", p.stdout, re.M).group(1).split()
   assert header == ["none", "gpipe/inp", "gpipe/res", "1f1b/inp*", "1f1b/res", "2bw/inp",
                     "2bw/res", "pipedream/inp", "pipedream/res", "interleaved/inp",
-                    "interleaved/res"]
+                    "interleaved/res", "zb1/inp", "zb1/res"]
   weights = re.search(r"^weights \(x versions\)\s+(.*)$", p.stdout, re.M).group(1).split("  ")
   weights = [w.strip() for w in weights if w.strip()]
   assert weights[1] == weights[2] == f"{_tiny_stage(1, 4) * 4 / 1024:.3g} KiB"  # gpipe, one version
   assert weights[5] == weights[6] == "-"  # 2bw refuses M=4 at S=4
-  # Interleaved (v=2) refuses the tiny model's 4 blocks on S=4 stages (8 chunks).
+  # Interleaved (v=2) refuses the tiny model's 4 blocks on S=4 stages (8 chunks); zb1
+  # idles (S-1)/(3M+S-1) = 3/15.
   assert re.search(r"^steady-state bubble\s+0\.0%(\s+42\.9%){4}\s+n/a\s+n/a(\s+42\.9%){2}"
-                   r"\s+n/a\s+n/a$", p.stdout, re.M), p.stdout
+                   r"\s+n/a\s+n/a\s+20\.0%\s+20\.0%$", p.stdout, re.M), p.stdout
   assert re.search(r"^  stash residuals s0=.*slowest / mean = 1\.000$", p.stdout, re.M), p.stdout
   assert "warning: 2bw needs pipeline.microbatches >= 2(S-1) = 6" in p.stdout
   assert "warning: gpipe idles 43%" in p.stdout
@@ -470,6 +471,32 @@ def test_planner_reports_interleaved_facts():
   text = planner.format_plan(p, 80)
   assert "interleaved (v=2 chunks per device): 12 ticks per step" in text
   assert "bubble 11.1%, 5 stash slots per device" in text
+
+
+def test_planner_reports_zb1_facts_and_w_stash():
+  """zb1's column and facts: 3M+S-1 ticks, bubble (S-1)/(3M+S-1), and both its rings.
+
+  tiny.yaml on S=2, M=4: the forward's ring (S slots and a scratch one, each
+  a stage input and the head's cotangent with `inputs`) and W's ring (as
+  many slots), each slot what B keeps for W of every weight use.
+  """
+  from jaxpipe.cli import planner  # pylint: disable=g-import-not-at-top
+  from jaxpipe import config as config_lib
+  cfg = config_lib.load(os.path.join(CONFIGS, "tiny.yaml"),
+                        ["pipeline.schedule=zb1", "pipeline.stages=2", "pipeline.microbatches=4"])
+  p = planner.plan(cfg, work=False)
+  f = p.facts
+  assert (f["ticks"], f["stash_slots"], f["virtual_stages"]) == (13, 2, 1)
+  assert f["bubble"] == pytest.approx(1 / 13) == p.bubble["zb1"]
+  x = 2 * 32 * 32 * 4
+  w_ring = p.bytes["zb1"]["inputs"]["stash"] - 3 * (x + 4 + x)
+  # Per slot at least a weight use's input and its output cotangent, of every block.
+  assert w_ring > 0 and w_ring % 3 == 0 and w_ring // 3 >= 2 * x
+  # With `residuals` a forward slot holds what 1f1b's does (4 slots at S=2: 2(S-1)+1
+  # and a scratch one), and the head's cotangent.
+  assert p.bytes["zb1"]["residuals"]["stash"] - w_ring == 3 * (
+      p.bytes["1f1b"]["residuals"]["stash"] // 4 + x)
+  assert "zb1: 13 ticks per step" in planner.format_plan(p, 80)
 
 
 def test_planner_json_puts_xla_beside_the_estimate():

@@ -256,6 +256,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import make_mesh, make_schedule, min_microbatches, step_plan  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import Engine, pad_vocab, padded_vocab, residual_shapes  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import SplitStage  # pylint: disable=g-import-not-at-top
 
   cfg = resolve_vocab(cfg)
   s_, d_, m = cfg.pipeline.stages, cfg.mesh.data, cfg.pipeline.microbatches
@@ -367,6 +368,11 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
         slots = sched.engine.num_slots
         if name != "2bw":
           row["stash"] = slots * (entry + (act if p.head_stash else 0))
+        if p.split_backward:
+          # zb1's second ring (and its scratch slot): what B keeps for W, per
+          # weight use its input and its output cotangent (`SplitStage`).
+          w_entry = SplitStage(fns.stage).w_stash_shapes(prepared, x_like)[1]
+          row["stash"] += (p.w_slots + 1) * _bytes(w_entry)
         # The step runs a loop per run of ticks of one kind. Measured against
         # XLA's buffer assignment (docs/benchmark.md): forward-only loops have
         # a working set of their own; loops with a backward share one when it

@@ -23,7 +23,7 @@ _LAZY = {
     "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",
     "axes_across_nodes": "_mesh",
-    "residual_shapes": "_engine", "stage_tick": "_cost", "flops": "_cost",
+    "residual_shapes": "_engine", "SplitStage": "_split", "stage_tick": "_cost", "flops": "_cost",
     "padded_vocab": "_vocab", "pad_vocab": "_vocab", "unpad_vocab": "_vocab",
 }
 

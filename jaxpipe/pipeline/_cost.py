@@ -29,7 +29,7 @@ __all__ = ["stage_tick", "flops", "one_tick_plan"]
 
 _PER_ROW = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot",
             "embed_version", "head_version", "head_acc", "embed_grad_version", "embed_acc",
-            "fwd_chunk", "bwd_chunk")
+            "fwd_chunk", "bwd_chunk", "wgt", "bwd_wslot", "wgt_slot")
 
 
 def one_tick_plan(plan: StepPlan, tick: int) -> StepPlan:

@@ -362,9 +362,17 @@ class StepPlan:
 
     A slot's three kinds of work move between the stages every tick, so the
     step is one loop whose body holds all of them, each stage's under a cond
-    on its own row (and the head on the last stage's forward).
+    on its own row (and the head on the last stage's forward). The shared
+    entries say whether the plan has any such microbatch (a plan cut to one
+    tick, as the planner costs it, may have none).
     """
-    return TickKind(True, True, 0, 0, 0, 0, 0, 0, 0, wgt=True)
+    def any_of(column):
+      return 0 if (column >= 0).any() else None
+
+    return TickKind(bool((self.fwd >= 0).any()), bool((self.bwd >= 0).any()), 0, 0,
+                    any_of(self.embed_version), any_of(self.head_version),
+                    any_of(self.head_acc), any_of(self.embed_grad_version),
+                    any_of(self.embed_acc), wgt=bool((self.wgt >= 0).any()))
 
   def kinds(self) -> list[TickKind]:
     """The distinct tick kinds of the step, in order of first appearance."""
