@@ -99,7 +99,7 @@ def test_moe_aux_loss_is_in_the_objective():
 
 
 @pytest.mark.parametrize("schedule,stages,data,m", [
-    ("gpipe", 2, 2, 2), ("1f1b", 4, 2, 4), ("none", 1, 2, 2)])
+    ("gpipe", 2, 2, 2), ("1f1b", 4, 2, 4), ("zb1", 2, 2, 2), ("none", 1, 2, 2)])
 def test_synchronous_schedules_match_one_device(schedule, stages, data, m):
   _match(_run(schedule, stages, data, m, _opt()), _run("none", 1, 1, m, _opt()))
 

@@ -31,6 +31,22 @@ After the last tick, stage 0's input cotangents of the step go to every
 stage at once (one `psum`, with a split vocabulary) and each scatters them
 into its rows of the embedding's gradient.
 
+ZB-H1 (`plan.split_backward`, schedule zb1): the backward runs as B (the
+input's gradient) and W (the weights'), apart, through `SplitStage`, which
+splits the stage's pullback without recomputing anything. A tick runs at
+most one of F, B and W per stage (the plan's `fwd`, `bwd`, `wgt`), each
+under a cond on the stage's own row, in the phase order forward, head, B,
+W, sends; every tick is of one kind, so the step is one loop. B reads the
+forward's stash and writes what W needs into a second ring (`wstash`); W
+reads it and adds the weights' gradient into the accumulator. The last
+stage's F and B of a microbatch are in different ticks: the head runs with
+the F (under a cond every stage takes alike) and its cotangent waits in the
+stash (`dh`, as gpipe's). A value received from a neighbour stays in its
+buffer until the stage's F (B) of that microbatch, which ZB-H1's orders run
+before the neighbour sends the next (`StepPlan.inbox_slots`). Lockstep
+costs: a tick lasts as long as its slowest stage's item, and carries the
+code of all three behind conds.
+
 `Engine.evaluate` runs the forward ticks alone (GPipe's; with v chunks, the
 forward halves of interleaved's ticks, around the ring v times) with the
 head's loss only.
@@ -433,7 +449,8 @@ class Engine:
     """
     s_ = self.num_stages
     steady = [t for t in range(self.plan.num_ticks)
-              if (self.plan.fwd[t] >= 0).all() or (self.plan.bwd[t] >= 0).all()]
+              if (self.plan.fwd[t] >= 0).all() or (self.plan.bwd[t] >= 0).all()
+              or self.plan.split_backward]  # zb1's every tick sends (its kinds mix)
     if s_ == 1:
       return {"point_to_point": 0.0, "head": 0.0, "embedding": 0.0}
     # Interleaved's ring: every stage sends an activation and a cotangent.
