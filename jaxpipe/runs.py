@@ -60,7 +60,7 @@ def losses(run_dir: str, key: str = "loss", *,
 # Where each schedule's state keeps the newest weights (`Schedule.newest`):
 # a field of the saved state.
 _NEWEST_FIELD = {"none": "params", "gpipe": "params", "1f1b": "params", "2bw": "cur",
-                 "pipedream": "versions", "interleaved": "params"}
+                 "pipedream": "versions", "interleaved": "params", "zb1": "params"}
 
 
 def _read_config(run_dir: str) -> Config:

@@ -226,6 +226,8 @@ def _tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float
   """FLOPs of the busiest tick of every stage's own program (see `Plan.work`)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import flops as program_flops, stage_tick  # pylint: disable=g-import-not-at-top
+  if plan_obj.split_backward:
+    return _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash)
   busy = [int((plan_obj.fwd[t] >= 0).sum() + (plan_obj.bwd[t] >= 0).sum())
           for t in range(plan_obj.num_ticks)]
   tick = int(np.argmax(busy))
@@ -239,6 +241,31 @@ def _tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float
     for s in range(plan_obj.num_stages):
       fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=t_b)
       out[s] += program_flops(fn, *args)["total"]
+  return out
+
+
+def _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float]:
+  """zb1: per stage, the FLOPs of one microbatch's F, head, B and W.
+
+  A zb1 tick's program holds each phase under a cond and `flops` counts a
+  cond's costlier branch: a one-tick plan in which every stage runs F, B
+  and W of one microbatch (which no real tick does, but the program is the
+  same) counts each phase once, the head included, as 1f1b's steady tick does.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import flops as program_flops, stage_tick  # pylint: disable=g-import-not-at-top
+  cells = np.zeros((1, plan_obj.num_stages), np.int32)
+  rows = np.zeros((1,), np.int32)
+  every = dataclasses.replace(
+      plan_obj, **{k: cells for k in ("fwd", "bwd", "wgt", "fwd_version", "bwd_version", "acc",
+                                      "fwd_slot", "bwd_slot", "bwd_wslot", "wgt_slot",
+                                      "fwd_chunk", "bwd_chunk")},
+      **{k: rows for k in ("embed_version", "head_version", "head_acc", "embed_grad_version",
+                           "embed_acc")})
+  out = []
+  for s in range(plan_obj.num_stages):
+    fn, args = stage_tick(fns, every, s, blocks, shared, tokens, stash=stash, tick=0)
+    out.append(program_flops(fn, *args)["total"])
   return out
 
 
@@ -569,7 +596,9 @@ def format_plan(p: Plan, device_gib: float) -> str:
   if p.work:
     name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
     what = ("one chunk's forward and backward of a microbatch, the head included"
-            if name == "interleaved" else "one microbatch's forward and backward")
+            if name == "interleaved" else
+            "one microbatch's F, B and W, the head included" if name == "zb1" else
+            "one microbatch's forward and backward")
     lines += ["", f"work per tick ({what}), {name}, FLOPs per stage:"]
     for stash, w in p.work.items():
       lines.append(f"  stash {stash:9s} " + "  ".join(f"s{i}={flops(x)}" for i, x in
