@@ -11,7 +11,8 @@ model of `_pipeline_util`:
   forward per microbatch and stage (B and W recompute nothing), with
   'inputs' one more, in B;
 - the plan's rings: every B reads what its F stashed, every W what its B
-  kept, and a received input or cotangent waits for its F or B in one buffer.
+  kept, and a received input or cotangent waits for its F or B in one buffer;
+- two steps through train.py, and the checkpoint's weights as export reads them.
 
 "Match" is `_pipeline_util.assert_runs_match` (losses rtol 1e-5, weights
 atol 5e-6).
@@ -27,9 +28,11 @@ import pytest
 from jax import lax
 from jax.experimental import io_callback
 
+from jaxpipe import runs
 from jaxpipe.pipeline import facts, make_mesh, make_schedule, step_plan, timetable
 
 from tests import _pipeline_util as util
+from tests import _runs
 from tests._pipeline_util import STEPS, assert_runs_match, run
 
 # (S, D, M, stash, variant): S=2 and 4, data 1 and 2, both stashes; the
@@ -245,3 +248,27 @@ def test_zb1_facts(s, m):
   tt = timetable("zb1", s, m, num_steps=1)
   assert tt.idle_fraction(0) == pytest.approx(f.bubble)
   assert "W0" in tt.ascii() and f"idle {f.bubble:.1%}" in tt.ascii()
+
+
+# --- through train.py -----------------------------------------------------------
+
+def test_train_py_trains_zb1_as_one_device_and_exports_its_weights(tmp_path):
+  """Two steps of zb1 at S=2, M=4 through train.py give `none`'s losses, and
+  `runs.load_params` (export, generation) reads its checkpoint as `none`'s weights."""
+  base = ("run.steps=2", "pipeline.microbatches=4", "checkpoint.every=2", "optimizer.eps=1e-6")
+  cache = str(tmp_path / "cache")
+  zb1_dir, none_dir = str(tmp_path / "zb1"), str(tmp_path / "none")
+  p = _runs.run(zb1_dir, *base, "pipeline.schedule=zb1", "pipeline.stages=2", cache_dir=cache)
+  assert p.returncode == 0, p.stderr
+  assert "jaxpipe zb1" in p.stdout
+  q = _runs.run(none_dir, *base, cache_dir=cache)
+  assert q.returncode == 0, q.stderr
+  got, want = _runs.train_losses(zb1_dir), _runs.train_losses(none_dir)
+  assert sorted(got) == sorted(want) == [0, 1]
+  np.testing.assert_allclose([got[k] for k in (0, 1)], [want[k] for k in (0, 1)],
+                             rtol=1e-5, atol=1e-6)
+  _, params, at = runs.load_params(zb1_dir, 2)
+  _, ref, _ = runs.load_params(none_dir, 2)
+  assert at == 2
+  for g, w in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=5e-6)
