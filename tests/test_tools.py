@@ -567,3 +567,23 @@ def test_bench_collectives_times_every_collective_both_ways(tmp_path):
   assert p.returncode == 0, p.stderr
   rows = re.findall(r"^\| (ppermute|psum|all_gather) \| .*\| ([0-9.]+)x \|$", out.read_text(), re.M)
   assert len(rows) == 9 and all(float(r) > 0 for _, r in rows), out.read_text()
+
+
+def test_benchmark_labels_name_interleaved_chunks_and_its_target():
+  """'interleaved v4' is interleaved with 4 chunks per device; bad labels and shapes are refused
+  in one line; its two-core target is 0.93 of its bubble bound times the ceiling."""
+  common, two_core = _load("bench_common"), _load("bench_two_core")
+  assert common.parse_label("interleaved v4") == ("interleaved", 4)
+  assert common.parse_label("2bw") == ("2bw", 1)
+  for bad in ("interleaved", "2bw v2", "zigzag", "interleaved vx"):
+    with pytest.raises(ValueError):
+      common.parse_label(bad)
+  assert common.refusal("interleaved v2", 2, 8, layers=8) is None
+  assert "chunks" in common.refusal("interleaved v4", 2, 8, layers=4)
+  assert "multiple" in common.refusal("interleaved v2", 2, 3)
+  assert "M >= 2" in common.refusal("2bw", 2, 1)
+  cfg = common.make_config(common.ModelShape(), "interleaved v2", 2, 8)
+  assert (cfg.pipeline.schedule, cfg.pipeline.virtual_stages) == ("interleaved", 2)
+  bubble = 1 / 17   # (S-1)/(vM+S-1) at S=2, v=2, M=8
+  assert two_core.target("interleaved v2", 257, 1.8, bubble) == pytest.approx(0.93 * 16 / 17 * 1.8)
+  assert two_core.target("interleaved v2", 257, None, bubble) is None
