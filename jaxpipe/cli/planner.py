@@ -272,34 +272,6 @@ def _make(parts: _Parts, name: str, stash: str):
                            cfg.model, dataclasses.replace(cfg.pipeline, stages=num)))
 
 
-def _none_terms(parts: _Parts, sched) -> list:
-  """Terms of `none`: the whole model on one device, a microbatch's backward at a time."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import _cost  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline._engine import residual_shapes  # pylint: disable=g-import-not-at-top
-  terms = _cost._state_terms(sched, jax.eval_shape(  # pylint: disable=protected-access
-      lambda p: sched.init(p, parts.batch_shape), parts.params), parts.batch_shape,
-      _split_opt_state)
-  fns, (_, b, t) = parts.fns, parts.batch_shape
-  blocks = parts.params["blocks"]
-  shared = {k: v for k, v in parts.params.items() if k != "blocks"}
-  tokens = jax.ShapeDtypeStruct((b // parts.cfg.mesh.data, t), jnp.int32)
-  x_like = jax.eval_shape(fns.embed, shared, tokens)
-  act = _bytes(x_like)
-  recompute = _bytes(residual_shapes(fns.stage, jax.eval_shape(fns.prepare, blocks), x_like))
-  f32 = sum(int(x.size) * 4 for x in jax.tree.leaves(parts.params))
-  head = _cost._head_bytes(fns, shared, b // parts.cfg.mesh.data * t)  # pylint: disable=protected-access
-  M = _cost.MemoryTerm
-  return terms + [
-      M("grads", "gradient accumulators (f32)", f32, "step"),
-      M("read", "a microbatch's residuals", recompute, "ticks"),
-      M("head", "head: f32 logits x2 per chunk, output-layer grad", head, "ticks"),
-      M("wgrad", "weight gradient (f32) + activations",
-        sum(int(x.size) * 4 for x in jax.tree.leaves(blocks)) + 2 * act, "ticks"),
-      M("update", "reduced grads + update", f32, "update")]
-
-
 def _memory(parts: _Parts) -> tuple[dict, dict, int]:
   """(terms, checkpoint, stage_params): every schedule's memory terms per device, each
   counted by the schedule itself (`_cost.memory_terms`) from the plan it executes."""
@@ -321,11 +293,10 @@ def _memory(parts: _Parts) -> tuple[dict, dict, int]:
       state = jax.eval_shape(lambda p, sched=sched: sched.init(p, parts.batch_shape),
                              parts.params)
       checkpoint[name][stash] = (_bytes(sched.checkpointed(state)), _bytes(state))
-      if name == "none":
-        terms[name][stash] = _none_terms(parts, sched)
-        continue
       terms[name][stash] = _cost.memory_terms(sched, parts.params, parts.batch_shape,
                                               opt_parts=_split_opt_state)
+      if name == "none":
+        continue
       padded = jax.eval_shape(sched.pad, parts.params)
       stage_params = sum(int(np.prod(s.shard_shape(x.shape))) for x, s in zip(
           jax.tree.leaves(padded), jax.tree.leaves(sched.param_shardings(padded))))

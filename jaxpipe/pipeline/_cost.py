@@ -248,11 +248,12 @@ def _head_bytes(fns: StageFns, shared_local: Tree, tokens: int) -> int:
 def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
                  opt_parts: Optional[Callable[[Tree], dict[str, int]]] = None
                  ) -> list[MemoryTerm]:
-  """Named terms of a pipelined schedule's memory per device, from the plan it executes.
+  """Named terms of a schedule's memory per device, from the plan it executes.
 
   Args:
-    sched: a pipelined `Schedule` (its engine, plan, shardings and stage
-      functions are what the terms are counted from).
+    sched: a `Schedule` (a pipelined one's engine, plan, shardings and stage
+      functions are what the terms are counted from; `none` runs the whole
+      model a microbatch at a time).
     params: abstract natural parameters (`jax.eval_shape` of the model's init).
     batch_shape: (M, B/M, seq) of the global batches.
     opt_parts: splits a tree of per-leaf optimizer-state bytes into named
@@ -267,10 +268,12 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
   update's temporaries. Nothing is compiled: every shape comes from
   `jax.eval_shape`.
   """
-  engine, plan, fns = sched.engine, sched.plan, sched.fns
-  s_, d_ = sched.num_stages, sched.num_data
   state = jax.eval_shape(lambda p: sched.init(p, batch_shape), params)
   terms = _state_terms(sched, state, batch_shape, opt_parts)
+  if not sched.pipelined:
+    return terms + _unpipelined_terms(sched.fns, params, batch_shape, sched.num_data)
+  engine, plan, fns = sched.engine, sched.plan, sched.fns
+  s_, d_ = sched.num_stages, sched.num_data
 
   padded = jax.eval_shape(sched.pad, params)
   blocks, shared = padded["blocks"], {k: v for k, v in padded.items() if k != "blocks"}
@@ -330,6 +333,26 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
                       b // d_ * t)
   update = [MemoryTerm("update", "reduced grads + update", one_version, "update")]
   return terms + step + ticks + update
+
+
+def _unpipelined_terms(fns: StageFns, params: Tree, batch_shape: tuple[int, int, int],
+                       num_data: int) -> list[MemoryTerm]:
+  """Inside the step of `none`: the whole model's gradient sums and one microbatch's backward."""
+  blocks = params["blocks"]
+  shared = {k: v for k, v in params.items() if k != "blocks"}
+  _, b, t = batch_shape
+  tokens = jax.ShapeDtypeStruct((b // num_data, t), jnp.int32)
+  x_like = jax.eval_shape(fns.embed, shared, tokens)
+  act = _nbytes(x_like)
+  residuals = residual_shapes(fns.stage, jax.eval_shape(fns.prepare, blocks), x_like)
+  return [
+      MemoryTerm("grads", "gradient accumulators (f32)", _f32(params), "step"),
+      MemoryTerm("read", "a microbatch's residuals", _nbytes(residuals), "ticks"),
+      MemoryTerm("head", "head: f32 logits x2 per chunk, output-layer grad",
+                 _head_bytes(fns, shared, b // num_data * t), "ticks"),
+      MemoryTerm("wgrad", "weight gradient (f32), activations", _f32(blocks) + 2 * act,
+                 "ticks"),
+      MemoryTerm("update", "reduced grads + update", _f32(params), "update")]
 
 
 def _tick_terms(sched, fns, plan, shared_local, residuals, entry, act, wgrad, tokens
