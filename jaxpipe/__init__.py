@@ -6,7 +6,7 @@ Subpackages, each importable on its own:
                     prediction, and `build` from a config.
   jaxpipe.model     a Llama-style decoder with stacked blocks.
   jaxpipe.data      tokenised corpora on disk and a grain input pipeline.
-  jaxpipe.pipeline  schedules (none, gpipe, 1f1b, 2bw, pipedream) on a mesh.
+  jaxpipe.pipeline  schedules (none, gpipe, 1f1b, 2bw, pipedream, interleaved) on a mesh.
 """
 
 __version__ = "0.1.0"

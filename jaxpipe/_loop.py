@@ -1,8 +1,8 @@
 """The pieces the training loop calls, one concern each.
 
-`trainer._train` reads top to bottom: build or resume, then per step a batch,
-the step, its record, an evaluation, a checkpoint, a stop if asked. What each
-of those does lives here:
+`trainer.train` reads top to bottom: build, begin (`jaxpipe.resume`), then per
+step a batch, the step, its record, an evaluation, a checkpoint, a stop if
+asked. What each of those does lives here:
 
 - `Metrics`: metrics.jsonl (process 0) and TensorBoard scalars.
 - `Profile`: a `jax.profiler` trace of a window of steps.

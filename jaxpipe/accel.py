@@ -96,7 +96,7 @@ def step_flops(model_cfg: Any, seq_len: int, *, schedule: str = "none", stash: s
   Args:
     model_cfg: a `ModelConfig` with vocab_size set.
     seq_len: tokens per sequence.
-    schedule: none, gpipe, 1f1b, 2bw or pipedream.
+    schedule: none, gpipe, 1f1b, 2bw, pipedream or interleaved.
     stash: pipeline.stash of a pipelined schedule: with `inputs` each stage's
       backward runs its forward again.
     stages: pipeline stages (the vocabulary is padded to a multiple of them).

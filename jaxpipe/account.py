@@ -202,18 +202,29 @@ def account(events: list[dict[str, Any]], hlo_text: str,
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
-  """Medians over steps: {device: {part: us}}, and the step's interval, span and gap."""
+  """The account of the median step: {device: {part: us}}, its interval, span and gap.
+
+  The step whose interval is the median over the traced steps (the lower of
+  the two middle ones for an even count) is reported whole, so its parts add
+  up to its interval on every device; medians taken part by part would not
+  (each part's median may come from a different step). `steps` is how many
+  steps were traced and `step` the index of the one reported.
+  """
   steps = result["steps"]
-  med = lambda xs: statistics.median(xs) if xs else float("nan")
-  devices = sorted({d for s in steps for d in s["devices"]})
-  parts = sorted({p for s in steps for d in s["devices"].values() for p in d})
+  if not steps:
+    return {"steps": 0, "step": None, "interval_us": float("nan"), "measured_us": float("nan"),
+            "span_us": float("nan"), "host_gap_us": float("nan"), "devices": {}}
+  middle = statistics.median_low([s["interval_us"] for s in steps])
+  index = next(i for i, s in enumerate(steps) if s["interval_us"] == middle)
+  step = steps[index]
   return {
-      "interval_us": med([s["interval_us"] for s in steps]),
-      "measured_us": med([s["measured_us"] for s in steps if "measured_us" in s]),
-      "span_us": med([s["span_us"] for s in steps]),
-      "host_gap_us": med([s["host_gap_us"] for s in steps]),
-      "devices": {d: {p: med([s["devices"].get(d, {}).get(p, 0.0) for s in steps])
-                      for p in parts} for d in devices},
+      "steps": len(steps),
+      "step": index,
+      "interval_us": step["interval_us"],
+      "measured_us": step.get("measured_us", float("nan")),
+      "span_us": step["span_us"],
+      "host_gap_us": step["host_gap_us"],
+      "devices": {d: dict(parts) for d, parts in sorted(step["devices"].items())},
   }
 
 

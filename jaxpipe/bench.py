@@ -28,6 +28,9 @@ from jaxpipe.errors import ConfigError
 
 __all__ = ["MeshPlan", "mesh_plan", "Row", "measure", "format_table"]
 
+# Chunks per device of the interleaved schedule when it is benchmarked.
+INTERLEAVED_CHUNKS = 2
+
 # Stages the automatic choice goes up to: deeper pipelines are a choice to
 # make on purpose (--stages), with their microbatch counts.
 MAX_AUTO_STAGES = 4
@@ -82,9 +85,14 @@ def mesh_plan(num_devices: int, n_layers: int, schedules: Sequence[str], *, micr
   if microbatches < 1 or batch < 1:
     raise ConfigError(f"--microbatches and --batch must be >= 1, got {microbatches} and {batch}")
   pipelined = [n for n in schedules if n != "none"]
+  # Interleaved runs INTERLEAVED_CHUNKS chunks per device: S*v must divide
+  # the layers and M must be a multiple of S.
+  chunks = lambda n: INTERLEAVED_CHUNKS if n == "interleaved" else 1
 
   def fits(s: int) -> bool:
-    return all(microbatches >= min_microbatches(n, s) for n in pipelined)
+    return all(microbatches >= min_microbatches(n, s, chunks(n))
+               and not n_layers % (s * chunks(n))
+               and (chunks(n) == 1 or not microbatches % s) for n in pipelined)
 
   if stages:
     if n_layers % stages:
@@ -94,9 +102,14 @@ def mesh_plan(num_devices: int, n_layers: int, schedules: Sequence[str], *, micr
       raise ConfigError(f"--stages {stages} does not divide the {num_devices} devices; choose "
                         f"a divisor of {num_devices}")
     for name in pipelined:
-      need = min_microbatches(name, stages)
+      need = min_microbatches(name, stages, chunks(name))
       if microbatches < need:
         raise ConfigError(f"{name} with {stages} stages needs --microbatches >= {need}")
+      if name == "interleaved" and (microbatches % stages
+                                    or n_layers % (stages * INTERLEAVED_CHUNKS)):
+        raise ConfigError(f"interleaved ({INTERLEAVED_CHUNKS} chunks per device) with "
+                          f"--stages {stages} needs --microbatches a multiple of {stages} and "
+                          f"layers a multiple of {stages * INTERLEAVED_CHUNKS}")
   else:
     stages = max(s for s in range(1, min(max_stages, num_devices) + 1)
                  if not n_layers % s and not num_devices % s and fits(s))
@@ -174,7 +187,8 @@ def measure(model_cfg: Any, opt_cfg: Any, schedule: str, mesh_shape: tuple[int, 
       config_lib.Config(model=model_cfg, optimizer=opt_cfg))
   devices = jax.devices() if devices is None else devices
   mesh = make_mesh(s, d, devices[:s * d])
-  sch = make_schedule(schedule, fns, optimizer, mesh, microbatches, stash=stash)
+  sch = make_schedule(schedule, fns, optimizer, mesh, microbatches, stash=stash,
+                      virtual_stages=INTERLEAVED_CHUNKS if schedule == "interleaved" else 1)
   shape = (microbatches, batch // microbatches, seq)
   state = sch.init_sharded(model.init, jax.random.key(seed), shape)
   rng = np.random.default_rng(seed)

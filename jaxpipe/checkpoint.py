@@ -22,7 +22,8 @@ arrays are named as the state's own (`saved_pair`).
 A checkpoint written on one mesh can be read on another (`LAYOUT_KEYS`):
 `restore` reads it into the shardings of a state shaped like this run's;
 `saved_shapes` and `restore_arrays` read the arrays a changed mesh can use
-as they were saved, for the schedule to fit (`Schedule.relayout`).
+as they were saved, for the schedule to fit (`Schedule.resume`). Which of
+them a start uses, and whether it resumes at all, `jaxpipe.resume` decides.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ __all__ = [
     "field_notes", "describe", "MESH_LAYOUTS", "device_ids", "vocab_parallel", "HEAD_CHOICES",
 ]
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved")
 MESH_LAYOUTS = ("stage", "data")
 OPTIMIZERS = ("adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap")
 LR_SCHEDULES = ("constant", "cosine", "wsd")
@@ -72,12 +72,18 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-  schedule: str = "none"         # none | gpipe | 1f1b | 2bw | pipedream
+  schedule: str = "none"         # none | gpipe | 1f1b | 2bw | pipedream | interleaved
   stages: int = 1                # S: devices along the `stage` mesh axis
   # M: microbatches per step. GPipe, 1F1B and pipedream idle (S-1)/(M+S-1)
-  # of a step; 2bw idles only in the very first step and needs M >= 2(S-1).
+  # of a step; 2bw idles only in the very first step and needs M >= 2(S-1);
+  # interleaved idles (S-1)/(vM+S-1) and needs M a multiple of S.
   # With `none` this is plain gradient accumulation.
   microbatches: int = 1
+  # v: chunks of blocks per device for schedule interleaved (>= 2; 1 for
+  # every other schedule). Device s holds chunks s, s+S, ..., s+(v-1)S of
+  # L/(S v) blocks each; a microbatch goes round the stages v times: v times
+  # the transfers for a bubble of (S-1)/(vM+S-1). Needs S*v to divide n_layers.
+  virtual_stages: int = 1
   # What a forward keeps for its backward: `inputs` (the stage input; the
   # backward recomputes the stage's forward: 4 units of work per microbatch
   # where 3 suffice) or `residuals` (what jax.vjp saves, as model.remat
@@ -526,7 +532,7 @@ def validate(cfg: Config) -> None:
   _check(cfg.mesh.data >= 1, f"mesh.data must be >= 1, got {cfg.mesh.data}")
   if p.schedule == "none":
     _check(p.stages == 1, f"pipeline.stages={p.stages} needs a pipeline schedule "
-           "(gpipe, 1f1b, 2bw, pipedream); set pipeline.stages=1 for schedule none")
+           "(gpipe, 1f1b, 2bw, pipedream, interleaved); set pipeline.stages=1 for schedule none")
   else:
     _check(m.n_layers % p.stages == 0,
            f"model.n_layers={m.n_layers} is not divisible by pipeline.stages={p.stages}; "
@@ -536,6 +542,26 @@ def validate(cfg: Config) -> None:
     _check(o.weight_prediction == 0,
            f"optimizer.weight_prediction={o.weight_prediction} runs with schedule none only (the "
            f"one-device simulation); inside {p.schedule} it would need one more weight version")
+  _check(p.virtual_stages >= 1, f"pipeline.virtual_stages must be >= 1, got {p.virtual_stages}")
+  if p.schedule == "interleaved":
+    _check(p.virtual_stages >= 2,
+           f"pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 chunks per device "
+           f"(got {p.virtual_stages}; with 1 it is 1f1b); set pipeline.virtual_stages=2")
+    _check(m.n_layers % (p.stages * p.virtual_stages) == 0,
+           f"model.n_layers={m.n_layers} is not divisible by pipeline.stages x "
+           f"pipeline.virtual_stages = {p.stages} x {p.virtual_stages} = "
+           f"{p.stages * p.virtual_stages} chunks; choose stages and virtual_stages whose "
+           "product divides the layers")
+    _check(p.microbatches % p.stages == 0,
+           f"pipeline.microbatches={p.microbatches} is not a multiple of pipeline.stages="
+           f"{p.stages}, which interleaved's order needs (groups of S microbatches go round "
+           f"the stages); set pipeline.microbatches to a multiple of {p.stages}, e.g. "
+           f"{-(-p.microbatches // p.stages) * p.stages}")
+  else:
+    _check(p.virtual_stages == 1,
+           f"pipeline.virtual_stages={p.virtual_stages} splits a device's blocks into chunks "
+           f"for schedule interleaved only, not {p.schedule}; set pipeline.schedule=interleaved "
+           "or pipeline.virtual_stages=1")
   if p.schedule == "2bw" and p.stages > 1:
     _check(p.microbatches >= 2 * (p.stages - 1),
            f"pipeline.microbatches={p.microbatches} is too few for 2bw with {p.stages} stages; "

@@ -60,7 +60,7 @@ def losses(run_dir: str, key: str = "loss", *,
 # Where each schedule's state keeps the newest weights (`Schedule.newest`):
 # a field of the saved state.
 _NEWEST_FIELD = {"none": "params", "gpipe": "params", "1f1b": "params", "2bw": "cur",
-                 "pipedream": "versions"}
+                 "pipedream": "versions", "interleaved": "params"}
 
 
 def _read_config(run_dir: str) -> Config:
@@ -114,9 +114,10 @@ def load_params(run_dir: str, step: Optional[int] = None) -> tuple[Config, Any, 
   """Returns (config, params, step): a run's config and its newest weights at a checkpoint.
 
   The weights are those the next batch would have run on (SyncState.params
-  for none/gpipe/1f1b, TwoBWState.cur for 2bw, the newest of
+  for none/gpipe/1f1b/interleaved, TwoBWState.cur for 2bw, the newest of
   PipeDreamState.versions for pipedream), in the model's natural shapes
-  ('blocks' stacked on a leading layer axis, the vocabulary cut back from
+  ('blocks' stacked on a leading layer axis in the natural order, which
+  interleaved's checkpoints hold in an order of their own; the vocabulary cut back from
   the pipeline's padding to model.vocab_size), in model.param_dtype, as
   arrays on one device (the first).
 
@@ -129,6 +130,7 @@ def load_params(run_dir: str, step: Optional[int] = None) -> tuple[Config, Any, 
     a checkpoint, a step that has none, or an unreadable checkpoint.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
 
   from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import _vocab  # pylint: disable=g-import-not-at-top
@@ -170,8 +172,30 @@ def load_params(run_dir: str, step: Optional[int] = None) -> tuple[Config, Any, 
                           "does not fit the run's config.yaml")
   params = _nest(flat)
   blocks = params.pop("blocks")
+  if schedule == "interleaved":
+    # Stacked in device order for the stage count that wrote the checkpoint
+    # (`Interleaved`; a resumed run may have changed it): back to the natural order.
+    from jaxpipe.pipeline import layer_order  # pylint: disable=g-import-not-at-top
+    stages = _saved_config(ckpt_dir, step).get("pipeline", {}).get("stages",
+                                                                   cfg.pipeline.stages)
+    back = np.argsort(layer_order(cfg.model.n_layers, stages, cfg.pipeline.virtual_stages))
+    blocks = jax.tree.map(lambda x: x[back], blocks)
   shared = _vocab.unpad_vocab(params, model.vocab_axes, cfg.model.vocab_size)
   return cfg, {**shared, "blocks": blocks}, step
+
+
+def _saved_config(ckpt_dir: str, step: int) -> dict[str, Any]:
+  """The config checkpoint `step` was written with (its meta item)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  manager = _reader(ckpt_dir)
+  try:
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except Exception as e:  # orbax raises many types for a damaged checkpoint
+    raise CheckpointError(f"checkpoint {ckpt_dir}/{step} has no readable meta "
+                          f"({type(e).__name__}); give another --step") from None
+  finally:
+    manager.close()
+  return dict(meta).get("config", {})
 
 
 def _param_keys(model) -> list[str]:

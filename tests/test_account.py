@@ -81,6 +81,31 @@ def test_account_adds_up_and_splits_collectives_into_moving_and_waiting():
   assert account.parts_in_order(dev0)[-2:] == ["idle", "host gap"]
 
 
+def test_the_summary_is_the_median_step_whole_so_its_parts_add_up():
+  """Medians taken part by part come from different steps and need not add up; the
+  summary reports the step of median interval whole."""
+  def step(interval, fwd, idle):
+    return {"interval_us": interval, "span_us": interval - 5, "host_gap_us": 5,
+            "measured_us": interval + 1,
+            "devices": {0: {"forward": fwd, "idle": idle, "host gap": 5}}}
+  steps = [step(100, 90, 5), step(120, 60, 55), step(110, 80, 25)]
+  # Part by part, forward's median (80) and idle's (25) happen to come from
+  # one step here; shuffle them so they do not.
+  steps[2]["devices"][0] = {"forward": 100, "idle": 5, "host gap": 5}
+  steps[0]["devices"][0] = {"forward": 70, "idle": 25, "host gap": 5}
+  part_medians = sum(sorted(s["devices"][0][p] for s in steps)[1]
+                     for p in ("forward", "idle", "host gap"))
+  assert part_medians != 110   # the old summary's parts did not add up to its interval
+  summary = account.summarise({"steps": steps})
+  assert summary["step"] == 2 and summary["steps"] == 3
+  assert summary["interval_us"] == 110 and summary["measured_us"] == 111
+  assert summary["devices"][0] == {"forward": 100, "idle": 5, "host gap": 5}
+  assert sum(summary["devices"][0].values()) == summary["interval_us"]
+  # An even count reports the lower middle step.
+  assert account.summarise({"steps": steps + [step(130, 120, 5)]})["interval_us"] == 110
+  assert account.summarise({"steps": []})["steps"] == 0
+
+
 def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
   """A real trace of a 2-stage 1f1b step: the parts of each device sum to its interval,
   the named phases show up, and the trace's interval agrees with the host's clock.

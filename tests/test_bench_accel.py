@@ -64,7 +64,8 @@ def _bench(*args, devices=4, timeout=600):
 
 @pytest.mark.parametrize("args,line", [
     (("--schedules", "zigzag"),
-     "bench_accel: unknown schedule 'zigzag'; choose from none, gpipe, 1f1b, 2bw, pipedream"),
+     "bench_accel: unknown schedule 'zigzag'; choose from none, gpipe, 1f1b, 2bw, pipedream, "
+     "interleaved"),
     (("--config", "configs/smollm-135m.yaml", "--stages", "4"),
      "bench_accel: 30 layers do not split into --stages 4; choose a divisor of 30"),
     (("--batch", "12"),

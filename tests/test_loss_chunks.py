@@ -1,4 +1,8 @@
-"""model.loss_chunk: the head and loss computed a chunk of tokens at a time.
+"""The one cross-entropy (`jaxpipe.xent`) and model.loss_chunk, which computes it a chunk at a time.
+
+The one-device reference that every pipeline is checked against (schedule
+`none`) trains on `Model.loss` itself: the same program (identical jaxprs)
+and the same bits, chunked or not.
 
 Chunked equals unchunked, in float32, in value (rtol 1e-6, atol 1e-7) and in
 the gradients with respect to the final norm, the output layer (or the tied
@@ -19,6 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -126,6 +131,47 @@ def test_the_mean_counts_real_tokens_only():
                                        targets.reshape(-1)[:-1]))
   np.testing.assert_allclose(short, want, **VALUE_TOL)
   assert abs(short - full) > 1e3 * VALUE_TOL["atol"]
+
+
+# --- the reference is Model.loss ----------------------------------------------------
+
+
+def _jaxpr_of_value_and_grad(loss_fn, *args) -> str:
+  return str(jax.make_jaxpr(jax.value_and_grad(loss_fn))(*args))
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_the_reference_loss_is_model_loss(chunk):
+  """schedule=none's loss (StageFns.loss after the blocks) is Model.loss's program.
+
+  Their jaxprs (value and gradient) are the same text, which a second
+  cross-entropy anywhere would break, while the chunk does change the text.
+  A step of `none` with SGD at rate 1 then gives Model.loss's loss and
+  weights minus its gradient, bit for bit.
+  """
+  from jaxpipe.pipeline._schedules import _full_loss  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(CFG, n_layers=2, loss_chunk=chunk)
+  m = model_lib.build(cfg)
+  fns = trainer.stage_fns(m)
+  params = jax.jit(m.init)(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(3), (1, ROWS, SEQ), 0, CFG.vocab_size)
+  targets = jax.random.randint(jax.random.key(4), (1, ROWS, SEQ), 0, CFG.vocab_size)
+  args = (params, tokens[0], targets[0])
+
+  want = _jaxpr_of_value_and_grad(m.loss, *args)
+  assert _jaxpr_of_value_and_grad(_full_loss(fns), *args) == want
+  other = model_lib.build(dataclasses.replace(cfg, loss_chunk=0 if chunk else 5))
+  assert _jaxpr_of_value_and_grad(other.loss, *args) != want
+
+  loss, grads = jax.jit(jax.value_and_grad(m.loss))(*args)
+  sch = make_schedule("none", fns, optax.sgd(1.0), make_mesh(1, 1), 1)
+  state, metrics = sch.step(sch.init(params, tokens.shape), tokens, targets)
+  assert float(metrics["loss"]) == float(loss)
+  stepped = jax.jit(lambda p, g: jax.tree.map(lambda a, b: a - b, p, g))(params, grads)
+  for got, w in zip(jax.tree.leaves(sch.params(state)), jax.tree.leaves(stepped)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+  # The step moved the weights: the comparison is not of the initial ones.
+  assert util.max_diff(stepped, params) > 1e-3
 
 
 # --- vocabulary parallel -----------------------------------------------------------

@@ -679,7 +679,7 @@ def test_schedule_names_and_stage_counts_are_checked():
 # chunks of 5 leave a padded last chunk. The unchunked runs are this file's.
 CHUNKED = util.config(loss_chunk=5)
 # none trains with StageFns.loss, whose chunking test_chunked_stage_fns_loss checks;
-# every pipeline's last stage runs the same chunked head (StageFns.head_loss).
+# every pipeline's head runs the same chunked cross-entropy (jaxpipe.xent).
 SCHEDULE_CASES = [("gpipe", (2, 2, 3))]
 
 

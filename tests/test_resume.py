@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxpipe import config, trainer
-from jaxpipe.errors import CheckpointError
+from jaxpipe import config, resume, trainer
+from jaxpipe.errors import CheckpointError, ConfigError
 from tests import _runs
 
 # 2bw on 2 stages with Muon and the correction: every kind of state a
@@ -163,16 +163,129 @@ def test_a_resume_that_respans_the_schedule_says_so(tmp_path, cache, capsys):
 def test_schedule_change_names_what_a_new_horizon_does():
   def cfg(schedule, steps):
     return config.load(_runs.TINY, [f"optimizer.schedule={schedule}", f"run.steps={steps}"])
-  assert trainer.schedule_change(cfg("constant", 20), 10, 10) is None
-  assert trainer.schedule_change(cfg("cosine", 10), 10, 10) is None
-  assert trainer.schedule_change(cfg("cosine", 20), None, 10) is None  # no run.steps saved
+  assert resume.schedule_change(cfg("constant", 20), 10, 10) is None
+  assert resume.schedule_change(cfg("cosine", 10), 10, 10) is None
+  assert resume.schedule_change(cfg("cosine", 20), None, 10) is None  # no run.steps saved
   # wsd decays over its last 20%: extended while stable, only later rates change.
-  assert trainer.schedule_change(cfg("wsd", 100), 50, 20) == (
+  assert resume.schedule_change(cfg("wsd", 100), 50, 20) == (
       "run.steps 50 -> 100: the wsd schedule now spans 100 steps instead of 50; "
       "the rate at step 20 stays 0.003, later ones change")
-  assert trainer.schedule_change(cfg("wsd", 100), 50, 50) == (
+  assert resume.schedule_change(cfg("wsd", 100), 50, 50) == (
       "run.steps 50 -> 100: the wsd schedule now spans 100 steps instead of 50; "
       "the rate at step 50 changes from 0.0003 to 0.003")
+
+
+# --- the decision alone: fresh, restart, resume, relayout, refusal -------------------
+# `resume.decide` reads the newest checkpoint's step and meta item and run.dir's
+# records; a stand-in checkpointer gives those, so nothing is built or compiled.
+
+
+class _Checkpoints:
+  """What `decide` reads of a Checkpointer: the newest step and its meta item."""
+
+  def __init__(self, directory, latest=None, saved=None):
+    self.directory, self.latest, self.saved = str(directory), latest, saved
+
+  def latest_step(self):
+    return self.latest
+
+  def read_meta(self, step):
+    assert step == self.latest, "decide read another checkpoint than the newest"
+    return {"config": self.saved, "step": step}
+
+
+class _KeepsStages:
+  """A schedule that continues a checkpoint of another data degree, not of another stage count."""
+
+  def __init__(self, stages):
+    self.stages, self.asked = stages, []
+
+  def check_relayout(self, saved_stages, saved_data):
+    self.asked.append((saved_stages, saved_data))
+    if saved_stages != self.stages:
+      raise ValueError(f"pipeline.stages={saved_stages} cannot continue with {self.stages}")
+
+
+def _cfg(run_dir, *overrides):
+  return config.load(_runs.TINY, [f"run.dir={run_dir}", "model.vocab_size=257",
+                                  "pipeline.schedule=1f1b", "pipeline.stages=2", *overrides])
+
+
+def _saved(run_dir, *overrides):
+  return config.to_dict(_cfg(run_dir, *overrides))
+
+
+def test_decide_starts_fresh_in_an_empty_run_dir(tmp_path):
+  cfg, schedule = _cfg(tmp_path), _KeepsStages(2)
+  d = resume.decide(cfg, schedule, _Checkpoints(tmp_path / "checkpoints"))
+  assert d.latest is None and not d.restart and d.meta == {} and d.saved_config == {}
+  assert d.layout == resume.Layout(2, 1, False, True) and not d.relayout
+  assert schedule.asked == []
+  with pytest.raises(CheckpointError, match=r"^--resume: no checkpoint in .*checkpoints$"):
+    resume.decide(cfg, schedule, _Checkpoints(tmp_path / "checkpoints"), require_resume=True)
+
+
+def test_decide_starts_over_the_records_of_the_same_config_only(tmp_path):
+  import yaml  # pylint: disable=g-import-not-at-top
+  ckpt = _Checkpoints(tmp_path / "checkpoints")
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')
+  with pytest.raises(CheckpointError, match=r"holds metrics of another run \(no config.yaml\)"):
+    resume.decide(_cfg(tmp_path), _KeepsStages(2), ckpt)
+  # Keys a resume may change (run.steps, the mesh) do not make it another run.
+  (tmp_path / "config.yaml").write_text(yaml.safe_dump(_saved(tmp_path, "run.steps=5",
+                                                              "mesh.data=2")))
+  d = resume.decide(_cfg(tmp_path), _KeepsStages(2), ckpt)
+  assert d.latest is None and d.restart
+  with pytest.raises(CheckpointError, match=r"holds metrics of another run "
+                                            r"\(optimizer.lr: 0.003 -> 0.001\) and no checkpoint"):
+    resume.decide(_cfg(tmp_path, "optimizer.lr=1e-3"), _KeepsStages(2), ckpt)
+  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "loss": 5.0}\n'
+
+
+def test_decide_resumes_the_newest_checkpoint_in_place(tmp_path):
+  schedule = _KeepsStages(2)
+  ckpt = _Checkpoints(tmp_path / "checkpoints", 3, _saved(tmp_path, "run.steps=10"))
+  d = resume.decide(_cfg(tmp_path), schedule, ckpt)
+  assert d.latest == 3 and not d.restart and not d.relayout
+  assert d.saved_config["run"]["steps"] == 10 and d.meta["step"] == 3
+  assert schedule.asked == []   # the same mesh: nothing to ask the schedule
+
+
+def test_decide_relays_out_what_the_schedule_can_carry_and_refuses_the_rest(tmp_path):
+  schedule = _KeepsStages(2)
+  ckpt = _Checkpoints(tmp_path / "checkpoints", 3, _saved(tmp_path, "mesh.data=2"))
+  d = resume.decide(_cfg(tmp_path), schedule, ckpt)
+  assert d.latest == 3 and d.relayout
+  assert d.saved == resume.Layout(2, 2, False, True) and d.layout.data == 1
+  assert schedule.asked == [(2, 2)]
+  ckpt = _Checkpoints(tmp_path / "checkpoints", 3, _saved(tmp_path, "pipeline.stages=4"))
+  with pytest.raises(CheckpointError, match=r"^cannot resume .*checkpoints/3: "
+                                            r"pipeline.stages=4 cannot continue with 2$"):
+    resume.decide(_cfg(tmp_path), schedule, ckpt)
+
+
+def test_decide_reads_keys_an_older_checkpoint_lacks_as_they_were(tmp_path):
+  # Before pipeline.head the head was split over the stages; before
+  # mesh.expert_parallel the experts were whole on every replica.
+  moe = ["model.moe.num_experts=4", "mesh.data=2", "mesh.expert_parallel=true",
+         "pipeline.head=last_stage"]
+  saved = _saved(tmp_path, *moe)
+  del saved["pipeline"]["head"], saved["mesh"]["expert_parallel"]
+  d = resume.decide(_cfg(tmp_path, *moe), _KeepsStages(2),
+                    _Checkpoints(tmp_path / "checkpoints", 3, saved))
+  assert d.saved == resume.Layout(2, 2, False, True)
+  assert d.layout == resume.Layout(2, 2, True, False) and d.relayout
+
+
+def test_decide_refuses_another_config_and_fewer_steps_than_done(tmp_path):
+  ckpt = _Checkpoints(tmp_path / "checkpoints", 3, _saved(tmp_path, "model.n_layers=2"))
+  with pytest.raises(CheckpointError, match=r"written with a different config "
+                                            r"\(model.n_layers: 2 -> 4\)"):
+    resume.decide(_cfg(tmp_path), _KeepsStages(2), ckpt)
+  ckpt = _Checkpoints(tmp_path / "checkpoints", 30, _saved(tmp_path))
+  with pytest.raises(ConfigError, match=r"^run.steps=20 is below the newest checkpoint's step "
+                                        r"\(30\) in .*; give run.steps >= 30$"):
+    resume.decide(_cfg(tmp_path), _KeepsStages(2), ckpt)
 
 
 # --- resuming on another mesh -------------------------------------------------------
@@ -369,7 +482,7 @@ def test_a_state_with_zero_size_arrays_saves_and_restores(tmp_path):
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
     assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # Another mesh's path (trainer._restore): every array but the empty ones, by name.
+  # Another mesh's path (jaxpipe.resume's relayout): every array but the empty ones, by name.
   shapes = ckpt.saved_shapes(1)
   flat = {path_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
   wanted = {k: jax.ShapeDtypeStruct(shapes[k], x.dtype, sharding=x.sharding)

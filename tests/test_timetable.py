@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxpipe.pipeline import facts, min_microbatches, step_plan, timetable
+from jaxpipe.pipeline import facts, layer_order, min_microbatches, step_plan, timetable
 
 PIPELINED = ("gpipe", "1f1b", "2bw", "pipedream")
 
@@ -593,3 +593,223 @@ def test_ascii_renders_every_cell(schedule):
   if schedule == "gpipe":
     # A gpipe column is all forwards or all backwards: never a '/'.
     assert "/" not in "".join(lines[2:2 + s])
+
+
+# --- interleaved 1F1B ------------------------------------------------------------
+
+# (S, M, v): M a multiple of S (at S and above it), v from 2 to 4, one stage too.
+INTERLEAVED = [(1, 1, 2), (1, 3, 3), (2, 2, 2), (2, 4, 2), (2, 6, 3), (2, 4, 4), (3, 3, 2),
+               (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3)]
+
+
+def _megatron(s, m, v):
+  """Megatron's order on every device, written out: [(microbatch, chunk)] forward, backward.
+
+  Groups of S microbatches; a group goes through chunk 0, then chunk 1, ...
+  (forward), and back through chunk v-1 down to 0 (backward).
+  """
+  fwd = [(g * s + i, j) for g in range(m // s) for j in range(v) for i in range(s)]
+  bwd = [(g * s + i, j) for g in range(m // s) for j in reversed(range(v)) for i in range(s)]
+  return fwd, bwd
+
+
+def _interleaved_events(tt):
+  """{(stage, mb, chunk): [tick]} of the forwards and of the backwards."""
+  fwd, bwd = {}, {}
+  for tick, row in enumerate(tt.cells):
+    for stage, c in enumerate(row):
+      if c.fwd is not None:
+        fwd.setdefault((stage, c.fwd, c.fwd_chunk), []).append(tick)
+      if c.bwd is not None:
+        bwd.setdefault((stage, c.bwd, c.bwd_chunk), []).append(tick)
+  return fwd, bwd
+
+
+@pytest.mark.parametrize("s,m,v", INTERLEAVED)
+def test_interleaved_cells_are_megatrons_order_in_lockstep(s, m, v):
+  """Stage s runs its k-th forward at tick k+s and its k-th backward at tick k+vS+S-2-s.
+
+  A step has v(M+S)+S-2 ticks; every stage runs every (microbatch, chunk)
+  once forward and once backward in it.
+  """
+  steps = 2
+  tt = timetable("interleaved", s, m, steps, virtual_stages=v)
+  n = v * (m + s) + s - 2
+  assert tt.ticks_per_step == n == facts("interleaved", s, m, v).ticks
+  fwd, bwd = _megatron(s, m, v)
+  for k in range(steps):
+    for t in range(n):
+      for stage, c in enumerate(tt.cells[k * n + t]):
+        i, j = t - stage, t - (v * s + s - 2) + stage
+        want_f = (k * m + fwd[i][0], fwd[i][1]) if 0 <= i < m * v else (None, None)
+        want_b = (k * m + bwd[j][0], bwd[j][1]) if 0 <= j < m * v else (None, None)
+        assert (c.fwd, c.fwd_chunk) == want_f, (k, t, stage)
+        assert (c.bwd, c.bwd_chunk) == want_b, (k, t, stage)
+        assert c.fwd_version == (None if c.fwd is None else k)
+
+
+@pytest.mark.parametrize("s,m,v", INTERLEAVED)
+def test_interleaved_microbatches_go_round_the_ring_one_stage_per_tick(s, m, v):
+  """Virtual stage g = j*S + s (chunk j of stage s): its forward of a microbatch is
+  one tick after g-1's, its backward one tick after g+1's, across the ring's wrap
+  (stage S-1's chunk j feeds stage 0's chunk j+1); the last one runs a microbatch's
+  forward and backward in one tick, as 1f1b's last stage does."""
+  tt = timetable("interleaved", s, m, 2, virtual_stages=v)
+  fwd, bwd = _interleaved_events(tt)
+  assert all(len(x) == 1 for x in fwd.values()) and all(len(x) == 1 for x in bwd.values())
+  where = lambda g: (g % s, g // s)
+  for mb in range(2 * m):
+    for g in range(s * v):
+      [tf], [tb] = fwd[(*where(g), mb)[:1] + (mb, where(g)[1])], bwd[(where(g)[0], mb,
+                                                                     where(g)[1])]
+      assert tf < tb or (g == s * v - 1 and tf == tb)
+      if g + 1 < s * v:
+        assert fwd[(where(g + 1)[0], mb, where(g + 1)[1])] == [tf + 1], (mb, g)
+        assert bwd[(where(g + 1)[0], mb, where(g + 1)[1])] == [tb - 1], (mb, g)
+
+
+@pytest.mark.parametrize("s,m,v", INTERLEAVED)
+def test_interleaved_bubble_ticks_and_facts(s, m, v):
+  """The bubble is (S-1)/(vM+S-1) under the cost model, counted from the cells.
+
+  A tick runs one chunk, 1/v of a stage's blocks: it lasts 1/v of 1f1b's (a
+  forward 1/v, a backward 2/v, both 3/v). vS-1 forward-only ticks, as many
+  backward-only ones, vM-vS+S with both: a step lasts 3(vM+S-1)/v, of which
+  every stage is busy 3M.
+  """
+  plan = step_plan("interleaved", s, m, v)
+  f = facts("interleaved", s, m, v)
+  n = v * (m + s) + s - 2
+  phases = [(t <= m * v + s - 2, t >= v * s - 1) for t in range(n)]
+  for t, (has_f, has_b) in enumerate(phases):
+    kind = plan.kind(t)
+    assert (kind.fwd, kind.bwd) == (has_f, has_b), t
+  np.testing.assert_allclose(plan.tick_costs(), [(1 * a + 2 * b) / v for a, b in phases])
+  assert f.step_cost == pytest.approx(3 * (v * m + s - 1) / v)
+  want = (s - 1) / (v * m + s - 1)
+  assert f.bubble == pytest.approx(want)
+  tt = timetable("interleaved", s, m, 2, virtual_stages=v)
+  busy = sum((c.fwd is not None) + 2 * (c.bwd is not None) for row in tt.cells[n:] for c in row)
+  assert 1 - busy / v / (f.step_cost * s) == pytest.approx(want)
+  assert tt.idle_fraction(1) == pytest.approx(want)
+  # The kinds do not split the steady state by chunk (the head's and the
+  # embedding's ticks come and go every S ticks): the loops the engine runs
+  # do not grow with M (the edges of fill, steady state and drain), as in 1f1b.
+  count = lambda mm: len(step_plan("interleaved", s, mm, v).segments())
+  assert count(2 * m) == count(4 * m) <= 6
+  # v times 1f1b's transfers (minus the last stage's own): M(vS-1), each way.
+  assert f.transfers == m * (v * s - 1)
+  assert (f.versions, f.gradient_delay, f.flushes, f.virtual_stages) == (1, "none", True, v)
+  assert f.min_microbatches == s
+
+
+@pytest.mark.parametrize("s,m,v", INTERLEAVED)
+def test_interleaved_stash_replay_with_the_drawn_slots(s, m, v):
+  """The engine's stash, replayed with the drawn slots: a read finds what was written.
+
+  In a tick the forward's entry is written before the backward's is read.
+  The plan keeps exactly as many slots as entries are alive at once, at most
+  (v+1)S-1 (Megatron's warm-up of 2(S-1)+(v-1)S forwards, plus the one
+  written before the first backward reads), and as many once M v reaches it.
+  """
+  plan = step_plan("interleaved", s, m, v)
+  assert facts("interleaved", s, m, v).stash_slots == plan.slots
+  tt = timetable("interleaved", s, m, 2, virtual_stages=v)
+  peak = 0
+  for stage in range(s):
+    slots, alive = [None] * plan.slots, set()
+    for row in tt.cells:
+      c = row[stage]
+      if c.fwd is not None:
+        slots[c.fwd_slot] = (c.fwd, c.fwd_chunk)
+        alive.add((c.fwd, c.fwd_chunk))
+      peak = max(peak, len(alive))
+      if c.bwd is not None:
+        assert slots[c.bwd_slot] == (c.bwd, c.bwd_chunk), (stage, c.bwd, c.bwd_chunk)
+        alive.discard((c.bwd, c.bwd_chunk))
+  assert peak == plan.slots <= (v + 1) * s - 1
+  if m * v >= (v + 1) * s - 1:
+    assert plan.slots == (v + 1) * s - 1
+
+
+@pytest.mark.parametrize("s,m,v", INTERLEAVED)
+def test_interleaved_plan_arrays_match_the_cells(s, m, v):
+  """The plan's arrays, against the cells: chunks, slots, and the per-tick shared entries.
+
+  The embedding feeds stage 0's forwards of chunk 0, the head the last
+  stage's forwards of chunk v-1, and the embedding's gradient stage 0's
+  backwards of chunk 0; the kinds name what such a tick would use (version
+  0, accumulator 0) wherever the stage has a forward (backward).
+  """
+  plan = step_plan("interleaved", s, m, v)
+  tt = timetable("interleaved", s, m, 1, virtual_stages=v)
+  assert (plan.window, plan.history, plan.num_versions, plan.num_shared_versions,
+          plan.num_accumulators, plan.virtual_stages) == (m, 0, 1, 1, 1, v)
+  assert not plan.slot_base_step and not plan.head_stash
+  for t, row in enumerate(tt.cells):
+    for stage, c in enumerate(row):
+      assert plan.fwd[t, stage] == (-1 if c.fwd is None else c.fwd)
+      assert plan.bwd[t, stage] == (-1 if c.bwd is None else c.bwd)
+      assert plan.fwd_chunk[t, stage] == (-1 if c.fwd is None else c.fwd_chunk)
+      assert plan.bwd_chunk[t, stage] == (-1 if c.bwd is None else c.bwd_chunk)
+      assert plan.fwd_slot[t, stage] == (-1 if c.fwd is None else c.fwd_slot)
+      assert plan.bwd_slot[t, stage] == (-1 if c.bwd is None else c.bwd_slot)
+      assert plan.acc[t, stage] == (-1 if c.bwd is None else 0)
+    first, last = row[0], row[-1]
+    assert plan.embed_version[t] == (0 if first.fwd is not None and first.fwd_chunk == 0 else -1)
+    assert plan.head_version[t] == plan.head_acc[t] == (
+        0 if last.fwd is not None and last.fwd_chunk == v - 1 else -1)
+    assert plan.embed_grad_version[t] == plan.embed_acc[t] == (
+        0 if first.bwd is not None and first.bwd_chunk == 0 else -1)
+    kind = plan.kind(t)
+    assert kind.embed_version == (0 if first.fwd is not None else None)
+    assert kind.head_version == kind.head_acc == (0 if last.fwd is not None else None)
+    assert kind.embed_grad_version == kind.embed_acc == (0 if first.bwd is not None else None)
+
+
+@pytest.mark.parametrize("s,m", [(1, 2), (2, 2), (2, 3), (4, 6)])
+def test_interleaved_with_one_chunk_is_1f1b(s, m):
+  """v = 1: the same ticks, microbatches, versions and shared entries as 1f1b."""
+  a, b = step_plan("interleaved", s, m, 1), step_plan("1f1b", s, m)
+  for name in ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "embed_version",
+               "head_version", "head_acc", "embed_grad_version", "embed_acc"):
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+  assert facts("interleaved", s, m, 1).bubble == pytest.approx(facts("1f1b", s, m).bubble)
+
+
+def test_layer_order_gives_each_device_its_chunks():
+  """Device s's contiguous L/S positions hold chunks s, s+S, ..., s+(v-1)S in order."""
+  for layers, s, v in ((8, 2, 2), (8, 4, 2), (8, 2, 4), (12, 3, 2), (6, 1, 3)):
+    order = layer_order(layers, s, v)
+    per = layers // (s * v)
+    assert sorted(order.tolist()) == list(range(layers))
+    for stage in range(s):
+      mine = order[stage * v * per:(stage + 1) * v * per]
+      want = [(j * s + stage) * per + i for j in range(v) for i in range(per)]
+      assert mine.tolist() == want
+  np.testing.assert_array_equal(layer_order(8, 4, 1), np.arange(8))
+  with pytest.raises(ValueError, match="do not split"):
+    layer_order(6, 2, 2)
+
+
+def test_interleaved_refusals_and_ascii():
+  """M not a multiple of S, v > 1 elsewhere and v < 1 are refused in one line."""
+  with pytest.raises(ValueError, match="multiple of the 2 stages, got 3"):
+    step_plan("interleaved", 2, 3, 2)
+  with pytest.raises(ValueError, match="multiple of the 4 stages"):
+    facts("interleaved", 4, 6, 2)
+  with pytest.raises(ValueError, match="needs schedule interleaved"):
+    step_plan("1f1b", 2, 2, 2)
+  with pytest.raises(ValueError, match="needs schedule interleaved"):
+    timetable("none", 1, 2, 1, virtual_stages=2)
+  with pytest.raises(ValueError, match=">= 1"):
+    facts("interleaved", 2, 2, 0)
+  text = timetable("interleaved", 2, 2, 1, virtual_stages=2).ascii()
+  rows = [line.split() for line in text.splitlines()]
+  assert rows[0][:4] == ["interleaved:", "S=2", "M=2", "v=2,"]
+  assert rows[2] == ["stage", "0", "F0c0", "F1c0", "F0c1", "F1c1/.", "./B0c1", "B1c1", "B0c0",
+                     "B1c0"]
+  assert rows[3] == ["stage", "1", ".", "F0c0", "F1c0", "F0c1/B0c1", "F1c1/B1c1", "B0c0",
+                     "B1c0", "."]
+  # 7.5 units on 2 stages, 6 busy each: (S-1)/(vM+S-1) = 1/5 idle.
+  assert text.splitlines()[-1] == "step 0: idle 20.0% of stage time"

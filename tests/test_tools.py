@@ -93,11 +93,24 @@ def _one_line_error(p: subprocess.CompletedProcess) -> None:
 
 
 def _check_viz_output(stdout: str, m: int) -> None:
-  """The printed tables are the engine's and the printed bubbles match the formulas and cells."""
+  """The printed tables are the engine's and the printed bubbles match the formulas and cells.
+
+  Interleaved (v=2 by default) is drawn where M is a multiple of S=2, and
+  left out with a note elsewhere; its bubble is (S-1)/(vM+S-1).
+  """
   from jaxpipe.pipeline import facts, timetable
   printed = {name: (float(a), float(b)) for name, a, b in re.findall(
       r"^bubble (\S+): steady ([0-9.]+) \(formula ([0-9.]+)\)$", stdout, re.M)}
+  interleaved = printed.pop("interleaved", None)
   assert set(printed) == {"2bw", "1f1b", "gpipe", "pipedream"}
+  if m % 2:
+    assert interleaved is None and "interleaved left out" in stdout
+  else:
+    tt = timetable("interleaved", 2, m, 2, virtual_stages=2)
+    assert tt.ascii() in stdout
+    assert interleaved[0] == pytest.approx(1 / (2 * m + 1), abs=5e-5)
+    assert interleaved[1] == pytest.approx(facts("interleaved", 2, m, 2).bubble, abs=5e-5)
+    assert interleaved[0] == pytest.approx(tt.idle_fraction(1), abs=5e-5)
   for name, (counted, formula) in printed.items():
     tt = timetable(name, 2, m, 2)
     assert tt.ascii() in stdout  # the terminal table is the engine's own
@@ -413,16 +426,46 @@ def test_planner_cli_prints_the_table_and_warns(tmp_path):
   assert p.returncode == 0, p.stderr
   header = re.search(r"^per device\s+(.*)$", p.stdout, re.M).group(1).split()
   assert header == ["none", "gpipe/inp", "gpipe/res", "1f1b/inp*", "1f1b/res", "2bw/inp",
-                    "2bw/res", "pipedream/inp", "pipedream/res"]
+                    "2bw/res", "pipedream/inp", "pipedream/res", "interleaved/inp",
+                    "interleaved/res"]
   weights = re.search(r"^weights \(x versions\)\s+(.*)$", p.stdout, re.M).group(1).split("  ")
   weights = [w.strip() for w in weights if w.strip()]
   assert weights[1] == weights[2] == f"{_tiny_stage(1, 4) * 4 / 1024:.3g} KiB"  # gpipe, one version
   assert weights[5] == weights[6] == "-"  # 2bw refuses M=4 at S=4
-  assert re.search(r"^steady-state bubble\s+0\.0%(\s+42\.9%){4}\s+n/a\s+n/a(\s+42\.9%){2}$",
-                   p.stdout, re.M), p.stdout
+  # Interleaved (v=2) refuses the tiny model's 4 blocks on S=4 stages (8 chunks).
+  assert re.search(r"^steady-state bubble\s+0\.0%(\s+42\.9%){4}\s+n/a\s+n/a(\s+42\.9%){2}"
+                   r"\s+n/a\s+n/a$", p.stdout, re.M), p.stdout
   assert re.search(r"^  stash residuals s0=.*slowest / mean = 1\.000$", p.stdout, re.M), p.stdout
   assert "warning: 2bw needs pipeline.microbatches >= 2(S-1) = 6" in p.stdout
   assert "warning: gpipe idles 43%" in p.stdout
+
+
+def test_planner_reports_interleaved_facts():
+  """Interleaved's column and facts: ticks, bubble (S-1)/(vM+S-1), stash slots, memory.
+
+  tiny.yaml's 4 blocks on S=2 stages of v=2 chunks, M=4: a slot holds one
+  stage input with `inputs` (as 1f1b's), and a chunk's residuals with
+  `residuals` (half the stage's, so fewer bytes than 1f1b's ring although
+  it has more slots).
+  """
+  from jaxpipe.cli import planner  # pylint: disable=g-import-not-at-top
+  from jaxpipe import config as config_lib
+  from jaxpipe.pipeline import facts
+  cfg = config_lib.load(os.path.join(CONFIGS, "tiny.yaml"),
+                        ["pipeline.schedule=interleaved", "pipeline.stages=2",
+                         "pipeline.virtual_stages=2", "pipeline.microbatches=4"])
+  p = planner.plan(cfg, work=False)
+  f = p.facts
+  assert (f["ticks"], f["stash_slots"], f["virtual_stages"]) == (12, 5, 2)
+  assert f["bubble"] == pytest.approx(1 / 9) == p.bubble["interleaved"]
+  assert p.bubble["1f1b"] == pytest.approx(1 / 5)
+  assert f["transfers"] == 4 * 3 == 3 * facts("1f1b", 2, 4).transfers
+  x = 2 * 32 * 32 * 4
+  assert p.bytes["interleaved"]["inputs"]["stash"] == (5 + 1) * (x + 4)
+  assert p.bytes["interleaved"]["inputs"]["weights"] == p.bytes["1f1b"]["inputs"]["weights"]
+  text = planner.format_plan(p, 80)
+  assert "interleaved (v=2 chunks per device): 12 ticks per step" in text
+  assert "bubble 11.1%, 5 stash slots per device" in text
 
 
 def test_planner_json_puts_xla_beside_the_estimate():

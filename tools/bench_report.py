@@ -170,14 +170,15 @@ def _groups(rows: list[dict[str, Any]]) -> list[tuple[tuple[int, int], list[dict
 
 
 COLORS = {"none": "#7f7f7f", "gpipe": "#4c72b0", "1f1b": "#dd8452", "2bw": "#55a868",
-          "pipedream": "#c44e52"}
+          "pipedream": "#c44e52", "interleaved": "#8172b3"}
 # Schedules with equal curves (1f1b and pipedream bubbles; none and 2bw at 0)
 # stay visible: wide translucent lines under narrow dotted ones.
 STYLES = {"none": dict(marker="o", linestyle="--", linewidth=1.2),
           "gpipe": dict(marker="s", linestyle="-", linewidth=1.6),
           "1f1b": dict(marker="D", linestyle="-", linewidth=4.0, alpha=0.55),
           "2bw": dict(marker="^", linestyle="-", linewidth=4.0, alpha=0.7),
-          "pipedream": dict(marker="x", linestyle=":", linewidth=1.6)}
+          "pipedream": dict(marker="x", linestyle=":", linewidth=1.6),
+          "interleaved": dict(marker="v", linestyle="-.", linewidth=1.6)}
 
 
 def draw_sweep(rows: list[dict[str, Any]], out: str, title: str) -> str:

@@ -5,6 +5,8 @@
   python tools/schedule_viz.py --schedule 2bw,1f1b,gpipe --stages 4 --microbatches 8 \
       --out docs/img/schedules_S4_M8.png
   python tools/schedule_viz.py --schedule all --stages 2 --microbatches 4 --steps 3
+  python tools/schedule_viz.py --schedule interleaved --stages 4 --microbatches 8 \
+      --virtual-stages 2
 
 Everything comes from `jaxpipe.pipeline.timetable`, the unrolled form of the
 step plan that the engine executes: stages are rows, ticks are columns. A
@@ -12,7 +14,8 @@ tick in which some stage runs a forward and some stage a backward has a
 forward half (top) and a backward half (bottom); a forward-only tick (gpipe's
 forward phase, the fill of 1f1b and pipedream) and a backward-only tick (the
 drain) have full-height cells. Cells are labelled with the global microbatch
-id (F3 / B1) and coloured by the weight version they run on; idle slots are
+id (F3 / B1; with interleaved's v chunks per stage also the stage's chunk,
+F3c1) and coloured by the weight version they run on; idle slots are
 white and hatched; thick lines mark step boundaries. The terminal gets
 `Timetable.ascii()` and, under it, the steady-state bubble (counted from the
 cells, and as `jaxpipe.pipeline.facts` gives it) and, for 2bw, how much of
@@ -21,8 +24,11 @@ the first step is fill.
 Time axis: a tick is as wide as it lasts under the cost model of
 `Timetable.tick_costs` (a forward 1, a backward 2, a tick with both 3), and
 one unit of the axis is a "full" tick, with both: one forward and one
-backward per stage. With `all` the panels share that axis, on which a
-step's length is its cost: M for 2bw, M+S-1 for gpipe, 1f1b and pipedream.
+backward per stage. An interleaved tick runs one of the stage's v chunks and
+is 1/v as wide. With `all` the panels share that axis, on which a
+step's length is its cost: M for 2bw, M+S-1 for gpipe, 1f1b and pipedream,
+M+(S-1)/v for interleaved. `all` leaves interleaved out (with a note) where
+M is not a multiple of S; `--virtual-stages` (default 2) sets its v.
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -36,9 +42,17 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxpipe.cli._common import Parser  # noqa: E402
-from jaxpipe.pipeline import Timetable, facts, min_microbatches, timetable  # noqa: E402
+from jaxpipe.pipeline import (Timetable, check_virtual_stages, facts,  # noqa: E402
+                              min_microbatches, timetable)
 
-SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream")
+SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "interleaved")
+# Interleaved's chunks per stage unless --virtual-stages says otherwise.
+VIRTUAL_STAGES = 2
+
+
+def chunks(schedule: str, virtual_stages: int = VIRTUAL_STAGES) -> int:
+  """v for `schedule`: `virtual_stages` for interleaved, 1 for the others."""
+  return virtual_stages if schedule == "interleaved" else 1
 
 # Version colours (backward shade); the forward half uses a lighter tint of
 # the same hue, so a microbatch's version reads the same in both halves.
@@ -69,7 +83,7 @@ def parse_schedules(text: str) -> list[str]:
 
 
 def check_shape(schedules: Sequence[str], num_stages: int, num_microbatches: int,
-                num_steps: int) -> None:
+                num_steps: int, virtual_stages: int = VIRTUAL_STAGES) -> None:
   """Raises ValueError (one line) for a shape the engine would refuse."""
   if num_stages < 1:
     raise ValueError(f"--stages must be >= 1, got {num_stages}")
@@ -77,20 +91,29 @@ def check_shape(schedules: Sequence[str], num_stages: int, num_microbatches: int
     raise ValueError(f"--microbatches must be >= 1, got {num_microbatches}")
   if num_steps < 1:
     raise ValueError(f"--steps must be >= 1, got {num_steps}")
+  if virtual_stages < 2:
+    raise ValueError(f"--virtual-stages must be >= 2 (interleaved's chunks per stage), "
+                     f"got {virtual_stages}")
   for name in schedules:
+    if name == "interleaved" and num_microbatches % num_stages:
+      raise ValueError(f"interleaved needs --microbatches a multiple of --stages "
+                       f"{num_stages}, got {num_microbatches}")
+    check_virtual_stages(name, num_stages, num_microbatches, chunks(name, virtual_stages))
     need = min_microbatches(name, num_stages)
     if num_microbatches < need:
       raise ValueError(f"{name} with {num_stages} stages needs --microbatches >= {need} "
                        f"(2(S-1)), got {num_microbatches}")
 
 
-def steady_bubble(schedule: str, num_stages: int, num_microbatches: int) -> float:
+def steady_bubble(schedule: str, num_stages: int, num_microbatches: int,
+                  virtual_stages: int = VIRTUAL_STAGES) -> float:
   """Idle share of a steady-state step, counted from the timetable's cells.
 
   Step 1 of a two-step timetable: for 2bw step 0 is the fill, and the
   flushed schedules repeat the same step forever.
   """
-  return timetable(schedule, num_stages, num_microbatches, 2).idle_fraction(1)
+  return timetable(schedule, num_stages, num_microbatches, 2,
+                   chunks(schedule, virtual_stages)).idle_fraction(1)
 
 
 def fill_fraction(num_stages: int, num_microbatches: int) -> float:
@@ -98,15 +121,17 @@ def fill_fraction(num_stages: int, num_microbatches: int) -> float:
   return timetable("2bw", num_stages, num_microbatches, 1).idle_fraction(0)
 
 
-def summary_lines(schedule: str, num_stages: int, num_microbatches: int) -> list[str]:
+def summary_lines(schedule: str, num_stages: int, num_microbatches: int,
+                  virtual_stages: int = VIRTUAL_STAGES) -> list[str]:
   """The lines printed under a schedule's ASCII table.
 
   Format: `bubble <name>: steady <counted> (formula <facts bubble>)`, and
   for 2bw `fill <name>: first step <idle share>`; fractions to 4 decimals so
   that tests can read them back.
   """
-  counted = steady_bubble(schedule, num_stages, num_microbatches)
-  formula = facts(schedule, num_stages, num_microbatches).bubble
+  counted = steady_bubble(schedule, num_stages, num_microbatches, virtual_stages)
+  formula = facts(schedule, num_stages, num_microbatches,
+                  chunks(schedule, virtual_stages)).bubble
   lines = [f"bubble {schedule}: steady {counted:.4f} (formula {formula:.4f})"]
   if schedule == "2bw":
     lines.append(f"fill {schedule}: first step {fill_fraction(num_stages, num_microbatches):.4f}")
@@ -147,7 +172,7 @@ def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
   s_ = tt.num_stages
   idle_style = dict(facecolor="white", edgecolor="#b0b0b0", hatch="////", linewidth=0.4)
 
-  def box(x, y, w, h, mb, version, forward, label):
+  def box(x, y, w, h, mb, version, forward, label, chunk):
     if mb is None:
       ax.add_patch(Rectangle((x, y), w, h, **idle_style))
       return
@@ -156,7 +181,8 @@ def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
                            edgecolor="white", linewidth=0.8))
     # A forward-only tick is a third of a unit wide: its label stands upright.
     upright = w < 0.5
-    ax.text(x + w / 2, y + h / 2, f"{label}{mb}", ha="center", va="center",
+    tag = f"{label}{mb}" + (f"c{chunk}" if tt.virtual_stages > 1 else "")
+    ax.text(x + w / 2, y + h / 2, tag, ha="center", va="center",
             fontsize=6.5 if upright or h < 1.0 else 7.0, rotation=90 if upright else 0,
             color="black" if forward else "white", fontweight=None if forward else "bold")
 
@@ -165,12 +191,12 @@ def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
     fwd_half, bwd_half = _tick_halves(tt, t)
     for s, c in enumerate(row):
       if fwd_half and bwd_half:
-        box(x, s, w, 0.5, c.fwd, c.fwd_version, True, "F")
-        box(x, s + 0.5, w, 0.5, c.bwd, c.bwd_version, False, "B")
+        box(x, s, w, 0.5, c.fwd, c.fwd_version, True, "F", c.fwd_chunk)
+        box(x, s + 0.5, w, 0.5, c.bwd, c.bwd_version, False, "B", c.bwd_chunk)
       elif fwd_half:
-        box(x, s, w, 1.0, c.fwd, c.fwd_version, True, "F")
+        box(x, s, w, 1.0, c.fwd, c.fwd_version, True, "F", c.fwd_chunk)
       else:
-        box(x, s, w, 1.0, c.bwd, c.bwd_version, False, "B")
+        box(x, s, w, 1.0, c.bwd, c.bwd_version, False, "B", c.bwd_chunk)
   # Stage separators, then step boundaries on top.
   for s in range(s_ + 1):
     ax.axhline(s, color="#404040", linewidth=0.6)
@@ -190,11 +216,13 @@ def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
 def _title(tt: Timetable) -> str:
   """The panel's title: ticks per step and steady-state bubble, from `facts`."""
   s_, m = tt.num_stages, tt.num_microbatches
-  f = facts(tt.schedule, s_, m)
+  f = facts(tt.schedule, s_, m, tt.virtual_stages)
   ticks = {"2bw": "M, all full",
            "1f1b": "S-1 forward-only, M full, S-1 backward-only",
            "pipedream": "S-1 forward-only, M full, S-1 backward-only",
-           "gpipe": "M+S-1 forward-only, then M+S-1 backward-only"}[tt.schedule]
+           "gpipe": "M+S-1 forward-only, then M+S-1 backward-only",
+           "interleaved": f"v={tt.virtual_stages} chunks per stage, each tick 1/v wide: "
+                          "vS-1 forward-only, vM-vS+S full, vS-1 backward-only"}[tt.schedule]
   text = (f"{tt.schedule}: {f.ticks} ticks per step ({ticks}), a step lasts "
           f"{f.step_cost / _FULL_TICK:g} units, steady-state bubble {f.bubble:.1%}")
   if tt.schedule == "2bw":
@@ -203,14 +231,15 @@ def _title(tt: Timetable) -> str:
 
 
 def draw(schedules: Sequence[str], num_stages: int, num_microbatches: int, num_steps: int,
-         out: str) -> str:
+         out: str, virtual_stages: int = VIRTUAL_STAGES) -> str:
   """Draws one panel per schedule on a common tick axis into the PNG `out`."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
 
-  tables = [timetable(name, num_stages, num_microbatches, num_steps) for name in schedules]
+  tables = [timetable(name, num_stages, num_microbatches, num_steps,
+                      chunks(name, virtual_stages)) for name in schedules]
   span = max(tick_edges(tt)[-1] for tt in tables)
   # About half an inch per unit keeps "F15" legible in a half-cell; the
   # titles (about 0.075 inch a character) must fit as well.
@@ -260,21 +289,32 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--steps", type=int, default=2,
                       help="steps to unroll (default 2: 2bw's fill step and a steady one)")
   parser.add_argument("--out", default="", help="PNG to write (default: none, terminal only)")
+  parser.add_argument("--virtual-stages", type=int, default=VIRTUAL_STAGES,
+                      help=f"v, interleaved's chunks per stage (default {VIRTUAL_STAGES})")
   args = parser.parse_args(argv)
+  v = args.virtual_stages
+  left_out = None
   try:
     names = parse_schedules(args.schedule)
-    check_shape(names, args.stages, args.microbatches, args.steps)
+    if (args.schedule == "all" and args.stages >= 1 and args.microbatches >= 1
+        and args.microbatches % args.stages):
+      names.remove("interleaved")
+      left_out = (f"interleaved left out: its order needs --microbatches a multiple of "
+                  f"--stages {args.stages}")
+    check_shape(names, args.stages, args.microbatches, args.steps, v)
   except ValueError as e:
     print(f"schedule_viz: {e}", file=sys.stderr)
     return 2
   for i, name in enumerate(names):
     if i:
       print()
-    print(timetable(name, args.stages, args.microbatches, args.steps).ascii())
-    for line in summary_lines(name, args.stages, args.microbatches):
+    print(timetable(name, args.stages, args.microbatches, args.steps, chunks(name, v)).ascii())
+    for line in summary_lines(name, args.stages, args.microbatches, v):
       print(line)
+  if left_out:
+    print(f"\n{left_out}")
   if args.out:
-    print(f"\nwrote {draw(names, args.stages, args.microbatches, args.steps, args.out)}")
+    print(f"\nwrote {draw(names, args.stages, args.microbatches, args.steps, args.out, v)}")
   return 0
 
 

@@ -45,7 +45,10 @@ from jaxpipe import launch
 from jaxpipe.cli._common import Parser
 from jaxpipe.errors import ConfigError, InputError
 
-SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = ("none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved")
+# Interleaved's chunks per device in the table when the config's schedule is
+# another one (whose pipeline.virtual_stages is 1).
+VIRTUAL_STAGES = 2
 STASHES = ("inputs", "residuals")
 
 # Rows of the table, in order: (key of a `MemoryTerm`, label), grouped by when
@@ -65,18 +68,41 @@ ROWS = (
     ("read", "tick: stash read or recompute"),
     ("widened", "tick: f32 copy of a bf16 read"),
     ("wgrad", "tick: weight grad (+ f32 cast), activations"),
+    ("chunk", "tick: a chunk's weights (v > 1)"),
     ("loops", "tick: other loops' working sets"),
     ("update", "reduced grads + update"),
 )
 
 
-def steady_bubble(schedule: str, num_stages: int, num_microbatches: int) -> Optional[float]:
+def steady_bubble(schedule: str, num_stages: int, num_microbatches: int,
+                  virtual_stages: int = 1) -> Optional[float]:
   """Idle share of a steady-state step, from the engine's plan (None: invalid)."""
   from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   try:
-    return facts(schedule, num_stages, num_microbatches).bubble
+    return facts(schedule, num_stages, num_microbatches, virtual_stages).bubble
   except ValueError:
     return None
+
+
+def virtual_stages(cfg: config_lib.Config, schedule: str) -> int:
+  """v for `schedule` in the plan: the config's for interleaved, else VIRTUAL_STAGES; 1 for the rest."""
+  if schedule != "interleaved":
+    return 1
+  p = cfg.pipeline
+  return p.virtual_stages if p.schedule == "interleaved" else VIRTUAL_STAGES
+
+
+def _refuses(cfg: config_lib.Config, schedule: str) -> bool:
+  """Whether `schedule` cannot run the config's S, M (and layers, for interleaved's chunks)."""
+  from jaxpipe.pipeline import check_virtual_stages, min_microbatches  # pylint: disable=g-import-not-at-top
+  s_, m, v = cfg.pipeline.stages, cfg.pipeline.microbatches, virtual_stages(cfg, schedule)
+  if schedule == "none":
+    return False
+  try:
+    check_virtual_stages(schedule, s_, m, v)
+  except ValueError:
+    return True
+  return m < min_microbatches(schedule, s_, v) or cfg.model.n_layers % (s_ * v) != 0
 
 
 def resolve_vocab(cfg: config_lib.Config) -> config_lib.Config:
@@ -169,6 +195,8 @@ class Plan:
       of the whole state)}}, over the whole mesh (`Schedule.checkpointed`:
       2bw's in-flight arrays are recomputed at resume, not saved); None
       where the schedule refuses the config.
+    facts: `jaxpipe.pipeline.facts` of the config's schedule (ticks, bubble,
+      stash slots, transfers, ...), as a dict; None where it refuses.
   """
   cfg: config_lib.Config
   num_params: int
@@ -181,6 +209,7 @@ class Plan:
   vocab_parallel: bool = True
   checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = dataclasses.field(
       default_factory=dict)
+  facts: Optional[dict[str, Any]] = None
 
   @property
   def bytes(self) -> dict[str, dict[str, Optional[dict[str, int]]]]:
@@ -266,6 +295,7 @@ def _make(parts: _Parts, name: str, stash: str):
   num = cfg.pipeline.stages if name != "none" else 1
   return make_schedule(name, parts.fns, parts.optimizer, make_mesh(num, cfg.mesh.data),
                        cfg.pipeline.microbatches, stash=stash,
+                       virtual_stages=virtual_stages(cfg, name),
                        shard_optimizer=cfg.mesh.shard_optimizer,
                        expert_parallel=cfg.mesh.expert_parallel,
                        vocab_parallel=config_lib.vocab_parallel(
@@ -276,9 +306,8 @@ def _memory(parts: _Parts) -> tuple[dict, dict, int]:
   """(terms, checkpoint, stage_params): every schedule's memory terms per device, each
   counted by the schedule itself (`_cost.memory_terms`) from the plan it executes."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import _cost, min_microbatches  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import _cost  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  s_, m = parts.cfg.pipeline.stages, parts.cfg.pipeline.microbatches
   terms: dict[str, dict[str, Optional[list]]] = {}
   checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = {}
   stage_params = 0
@@ -286,7 +315,7 @@ def _memory(parts: _Parts) -> tuple[dict, dict, int]:
     stashes = STASHES if name != "none" else ("inputs",)
     terms[name] = {st: None for st in stashes}
     checkpoint[name] = {st: None for st in stashes}
-    if name != "none" and m < min_microbatches(name, s_):
+    if _refuses(parts.cfg, name):
       continue
     for stash in stashes:
       sched = _make(parts, name, stash)
@@ -307,15 +336,16 @@ def _work_and_traffic(parts: _Parts, work: bool) -> tuple[dict, dict, bool]:
   """(work per stage by stash, traffic per tick, vocab_parallel) of the config's schedule."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import min_microbatches, step_plan  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import step_plan  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import _vocab  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline._engine import Engine  # pylint: disable=g-import-not-at-top
   cfg, fns = parts.cfg, parts.fns
   s_, m = cfg.pipeline.stages, cfg.pipeline.microbatches
   vp = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
-  if not (s_ > 1 and m >= min_microbatches(cfg.pipeline.schedule, s_)):
+  if not (s_ > 1 and not _refuses(cfg, cfg.pipeline.schedule)):
     return {}, {}, vp
   name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
+  v = virtual_stages(cfg, name)
   blocks = parts.params["blocks"]
   shared = {k: v for k, v in parts.params.items() if k != "blocks"}
   tokens = jax.ShapeDtypeStruct((parts.batch_shape[1] // cfg.mesh.data, cfg.data.seq_len),
@@ -325,10 +355,10 @@ def _work_and_traffic(parts: _Parts, work: bool) -> tuple[dict, dict, bool]:
       lambda _: None, fns.vocab_axes, is_leaf=lambda a: a is None))
   sh_mode = jax.eval_shape(lambda t: _vocab.pad_vocab(
       t, fns.vocab_axes, _vocab.padded_vocab(cfg.model.vocab_size, s_)), shared) if vp else shared
-  engine = Engine(mode_fns, step_plan(name, s_, m), stash=cfg.pipeline.stash)
+  engine = Engine(mode_fns, step_plan(name, s_, m, v), stash=cfg.pipeline.stash)
   traffic = engine.traffic(_bytes(jax.eval_shape(fns.embed, shared, tokens)),
                            tokens.shape[0] * cfg.data.seq_len)
-  work_per_stage = {stash: _tick_costs(mode_fns, step_plan(name, s_, m), blocks, sh_mode,
+  work_per_stage = {stash: _tick_costs(mode_fns, step_plan(name, s_, m, v), blocks, sh_mode,
                                        tokens, stash) for stash in STASHES} if work else {}
   return work_per_stage, traffic, vp
 
@@ -343,13 +373,19 @@ def _warnings(p: Plan, device_gib: float, max_bubble: float) -> list[str]:
   if m < need:
     out.append(f"2bw needs pipeline.microbatches >= 2(S-1) = {need} for S={s_} stages "
                f"(got M={m}); raise M to use it")
-  for name in ("gpipe", "1f1b", "pipedream"):
+  for name in ("gpipe", "1f1b", "pipedream", "interleaved"):
     b = p.bubble[name]
-    if s_ > 1 and b is not None and b > max_bubble:
-      # bubble = (S-1) / (M + S-1) <= x  <=>  M >= (S-1)(1-x)/x
-      m_ok = -(-int(round((s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * 1000)))
-      out.append(f"{name} idles {b:.0%} of every step at S={s_}, M={m} (above "
-                 f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
+    if not (s_ > 1 and b is not None and b > max_bubble):
+      continue
+    # bubble = (S-1) / (vM + S-1) <= x  <=>  M >= (S-1)(1-x) / (x v), v = 1 but for
+    # interleaved, whose M is also a multiple of S.
+    v = virtual_stages(cfg, name)
+    m_ok = -(-int(round((s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * v * 1000)))
+    if name == "interleaved":
+      m_ok = -(-m_ok // s_) * s_
+    what = f"{name} (v={v})" if name == "interleaved" else name
+    out.append(f"{what} idles {b:.0%} of every step at S={s_}, M={m} (above "
+               f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
   for name in SCHEDULES:
     total = p.total(name)
     if total is not None and total > device_gib * 2 ** 30:
@@ -377,11 +413,18 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   parts = _parts(cfg)
   terms, checkpoint, stage_params = _memory(parts)
   work_per_stage, traffic, vp = _work_and_traffic(parts, work)
-  bubble = {name: steady_bubble(name, parts.cfg.pipeline.stages, parts.cfg.pipeline.microbatches)
-            for name in SCHEDULES}
+  cfg = parts.cfg
+  s_, m = cfg.pipeline.stages, cfg.pipeline.microbatches
+  bubble = {name: None if _refuses(cfg, name) else
+            steady_bubble(name, s_, m, virtual_stages(cfg, name)) for name in SCHEDULES}
+  own = None
+  if not _refuses(cfg, cfg.pipeline.schedule):
+    from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
+    own = dataclasses.asdict(facts(cfg.pipeline.schedule, s_, m,
+                                   virtual_stages(cfg, cfg.pipeline.schedule)))
   num_params = sum(int(x.size) for x in jax.tree.leaves(parts.params))
-  result = Plan(parts.cfg, num_params, int(stage_params), terms, work_per_stage, bubble, [],
-                traffic, vp, checkpoint)
+  result = Plan(cfg, num_params, int(stage_params), terms, work_per_stage, bubble, [],
+                traffic, vp, checkpoint, own)
   result.warnings = _warnings(result, device_gib, max_bubble)
   return result
 
@@ -420,7 +463,8 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   m = cfg.pipeline.microbatches
   stages = cfg.pipeline.stages if schedule != "none" else 1
   sched = make_schedule(schedule, fns, optimizer, make_mesh(stages, cfg.mesh.data), m,
-                        stash=stash, shard_optimizer=cfg.mesh.shard_optimizer,
+                        stash=stash, virtual_stages=virtual_stages(cfg, schedule),
+                        shard_optimizer=cfg.mesh.shard_optimizer,
                         expert_parallel=cfg.mesh.expert_parallel,
                         vocab_parallel=config_lib.vocab_parallel(cfg.model, cfg.pipeline))
   batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
@@ -478,6 +522,14 @@ def format_plan(p: Plan, device_gib: float) -> str:
                            for j, c in enumerate(r)))
     if i == 0:
       lines.append("  ".join("-" * w for w in widths))
+  f = p.facts
+  if f is not None and f["ticks"]:
+    chunked = f" (v={f['virtual_stages']} chunks per device)" if f["virtual_stages"] > 1 else ""
+    lines += ["", f"{cfg.pipeline.schedule}{chunked}: {f['ticks']} ticks per step, a step lasts "
+              f"{f['step_cost'] / 3:g} forward+backward pairs of a stage, bubble "
+              f"{f['bubble']:.1%}, {f['stash_slots']} stash slots per device, "
+              f"{f['transfers']} activations (and as many cotangents) sent between devices "
+              "per step"]
   saved = p.checkpoint.get(cfg.pipeline.schedule, {}).get(
       cfg.pipeline.stash if cfg.pipeline.schedule != "none" else "inputs")
   if saved is not None:
@@ -487,8 +539,9 @@ def format_plan(p: Plan, device_gib: float) -> str:
                  if saved[1] > saved[0] else "")]
   if p.work:
     name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
-    lines += ["", f"work per tick (one microbatch's forward and backward), {name}, "
-              "FLOPs per stage:"]
+    what = ("one chunk's forward and backward of a microbatch, the head included"
+            if name == "interleaved" else "one microbatch's forward and backward")
+    lines += ["", f"work per tick ({what}), {name}, FLOPs per stage:"]
     for stash, w in p.work.items():
       lines.append(f"  stash {stash:9s} " + "  ".join(f"s{i}={flops(x)}" for i, x in
                                                     enumerate(w))
@@ -516,6 +569,10 @@ def format_plan(p: Plan, device_gib: float) -> str:
       "recompute and its float32 copy where bfloat16, the weight gradient, the other tick",
       "loops' working sets) and the update's temporaries. total = all rows but those two",
       "groups + the larger of them.",
+      f"interleaved: v={virtual_stages(cfg, 'interleaved')} chunks per device (its slots and "
+      "working sets hold a chunk's;",
+      "a tick adds the copy of the chunk's weights it slices). `-` where a schedule refuses",
+      "S, M or the layers.",
       "`tools/planner.py --compile` compiles the config's step and prints XLA's own numbers.",
   ]
   if p.warnings:
@@ -556,6 +613,7 @@ def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
                                                             ("inputs",))}
                     for n in SCHEDULES},
       "traffic_bytes_per_tick": p.traffic,
+      "facts": p.facts,
       "vocab_parallel": p.vocab_parallel,
       "checkpoint_bytes": dict(zip(("saved", "state"), p.checkpoint.get(
           cfg.pipeline.schedule, {}).get(cfg.pipeline.stash if cfg.pipeline.schedule != "none"

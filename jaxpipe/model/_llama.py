@@ -25,10 +25,12 @@ from typing import Any, Callable, NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxpipe.model._config import ModelConfig
 from jaxpipe.model import _attention, _moe
+# The one cross-entropy, shared with the pipeline (see jaxpipe/xent.py);
+# `cross_entropy` is also this package's public name for it.
+from jaxpipe.xent import chunked_cross_entropy, cross_entropy
 
 Params = Any
 
@@ -170,68 +172,6 @@ class Block(nn.Module):
     return (x + y, aux) if cache is None else (x + y, aux, cache)
 
 
-def _loss_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-  """The sum of the tokens' cross-entropy where `mask` (padding elsewhere counts 0).
-
-  A target outside the vocabulary makes the sum and its gradient NaN.
-  """
-  bad = (targets < 0) | (targets >= logits.shape[-1])
-  per_token = optax.softmax_cross_entropy_with_integer_labels(
-      logits, jnp.clip(targets, 0, logits.shape[-1] - 1))
-  # A product, not a `where`: the gradient must be NaN too, so the guard sees
-  # which parameters the bad batch reached. Padding weighs 0 in both.
-  return jnp.sum(per_token * jnp.where(bad, jnp.nan, mask.astype(per_token.dtype)))
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean cross-entropy of integer targets; a target outside the vocabulary gives NaN
-  (loss and gradient).
-
-  Bad data must not train silently: a NaN is caught by the trainer's
-  non-finite guard, which names the batch.
-  """
-  return _loss_sum(logits, targets, jnp.ones(targets.shape, bool)) / targets.size
-
-
-def chunked_cross_entropy(logits_fn: Callable[[Params, jax.Array], jax.Array], params: Params,
-                          x: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-  """`cross_entropy(logits_fn(params, x), targets)` with at most `chunk` tokens' logits alive.
-
-  The tokens of `x` [..., dim] (leading axes flattened, row-major) go through
-  `logits_fn` and the loss `chunk` at a time in a `lax.scan` of a
-  `jax.checkpoint`ed chunk: the forward keeps each chunk's inputs only and
-  the backward recomputes its float32 logits (one more output-layer matmul
-  per token), so [tokens, vocab] logits never exist at once. A token count
-  that `chunk` does not divide is padded with masked tokens that add 0 and
-  count 0: the result is (sum of the chunks' sums) / tokens, the mean over
-  the real tokens, with the same NaN on a bad target.
-
-  Args:
-    logits_fn: (params, x [1, c, dim]) -> float32 logits [1, c, vocab].
-    params: what `logits_fn` reads (differentiable).
-    x: [..., dim] hidden states; targets: int [...] of the same leading shape.
-    chunk: tokens per chunk (>= 1); a chunk beyond the token count is cut to it.
-  """
-  n, dim = targets.size, x.shape[-1]
-  chunk = min(chunk, n)
-  k = -(-n // chunk)
-  pad = k * chunk - n
-  # [k, 1, chunk, ...]: each chunk a one-row batch, the shape `logits` takes.
-  xs = jnp.pad(x.reshape(n, dim), ((0, pad), (0, 0))).reshape(k, 1, chunk, dim)
-  ts = jnp.pad(targets.reshape(n), (0, pad)).reshape(k, 1, chunk)   # padding: id 0, no NaN
-  ms = (jnp.arange(k * chunk) < n).reshape(k, 1, chunk)
-
-  def one(p, xc, tc, mc):
-    return _loss_sum(logits_fn(p, xc), tc, mc)
-
-  # Inside a scan the forward and the recomputation cannot be merged, so
-  # `prevent_cse` would only cost optimisation barriers.
-  one = jax.checkpoint(one, prevent_cse=False)
-
-  _, sums = jax.lax.scan(lambda c, xc: (c, one(params, *xc)), None, (xs, ts, ms))
-  return jnp.sum(sums) / n
-
-
 class Model(NamedTuple):
   """The model as pure functions of parameter pytrees.
 
@@ -245,10 +185,15 @@ class Model(NamedTuple):
     logits: (params, x) -> float32 logits [b, t, V'] over the vocabulary
       entries the output layer in params holds (V' = V unless sliced). Reads
       params['head'] (and params['embed'] when tied).
-    head_loss: (params, x, targets) -> mean next-token cross-entropy (computed
-      cfg.loss_chunk tokens at a time when that is set).
+    head_loss: (params, x, targets) -> mean next-token cross-entropy
+      (`jaxpipe.xent.chunked_cross_entropy`, computed cfg.loss_chunk tokens at
+      a time when that is set); a target outside the vocabulary makes it and
+      its gradient NaN.
     loss: (params, tokens, targets) -> cross-entropy plus auxiliary losses of
       the whole model on one device: the reference every pipeline must match.
+      Schedule `none` computes exactly this (the same functions in the same
+      order), and the pipelines' vocabulary-parallel head the same
+      cross-entropy over a split vocabulary.
     vocab_axes: like the non-block params: the vocabulary axis of each leaf,
       or None.
     compute_blocks: blocks -> the blocks with every matrix in the compute
@@ -331,9 +276,10 @@ def build(cfg: ModelConfig,
     return jnp.dot(h, w, preferred_element_type=jnp.float32)
 
   def head_loss(params, x, targets):
-    if cfg.loss_chunk:
-      return chunked_cross_entropy(logits, params, x, targets, cfg.loss_chunk)
-    return cross_entropy(logits(params, x), targets)
+    # The call a pipeline's one-device reference makes too (StageFns.loss):
+    # the same function of the same arguments, so `none` trains on this loss.
+    return chunked_cross_entropy(logits, params, x, targets, offset=0,
+                                 vocab_size=cfg.vocab_size, axis=None, chunk=cfg.loss_chunk)
 
   def loss(params, tokens, targets):
     x, aux = apply_blocks(params["blocks"], embed(params, tokens))

@@ -10,20 +10,23 @@ on first use.
 import importlib
 
 from jaxpipe.pipeline._timetable import (PIPELINED, SCHEDULE_NAMES, Cell, Facts, StepPlan,
-                                         TickKind, Timetable, facts, min_microbatches,
-                                         stash_slots, step_plan, timetable)
+                                         TickKind, Timetable, check_virtual_stages, facts,
+                                         layer_order, min_microbatches, stash_slots, step_plan,
+                                         timetable)
 
 _LAZY = {
     "StageFns": "_engine", "Engine": "_engine", "STASH_CHOICES": "_engine",
     "expert_exchange": "_engine", "PHASE": "_engine",
     "Schedule": "_schedules", "SyncState": "_schedules", "PipeDreamState": "_schedules",
-    "TwoBWState": "_schedules", "InFlight": "_schedules", "make_mesh": "_schedules",
+    "TwoBWState": "_schedules", "InFlight": "_schedules", "Interleaved": "_schedules",
+    "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",
     "LAYOUTS": "_mesh", "axes_across_nodes": "_mesh",
 }
 
 __all__ = ["Cell", "Facts", "PIPELINED", "SCHEDULE_NAMES", "StepPlan", "TickKind", "Timetable",
-           "facts", "min_microbatches", "stash_slots", "step_plan", "timetable", *_LAZY]
+           "check_virtual_stages", "facts", "layer_order", "min_microbatches", "stash_slots",
+           "step_plan", "timetable", *_LAZY]
 
 
 def __getattr__(name):

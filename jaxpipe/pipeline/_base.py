@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpipe.pipeline import _vocab
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, _no_experts
 from jaxpipe.pipeline._mesh import make_mesh
-from jaxpipe.pipeline._timetable import min_microbatches
+from jaxpipe.pipeline._timetable import check_virtual_stages, min_microbatches
 
 Tree = Any
 
@@ -183,7 +183,7 @@ class Schedule:
   def __init__(self, fns: StageFns, optimizer: optax.GradientTransformation, mesh: Mesh,
                num_microbatches: int, *, stash: str = "inputs", shard_optimizer: bool = True,
                expert_parallel: bool = True, vocab_parallel: bool = True,
-               predict: Optional[Any] = None):
+               predict: Optional[Any] = None, virtual_stages: int = 1):
     if not vocab_parallel:
       # The shared parameters whole on every stage: the embedding is used on
       # the first, the head on the last (see `Engine`).
@@ -206,7 +206,10 @@ class Schedule:
     if not self.pipelined and self.num_stages != 1:
       raise ValueError(f"schedule '{self.name}' runs without stages; got a mesh of "
                        f"{self.num_stages} stages")
-    need = min_microbatches(self.name, self.num_stages) if self.pipelined else 1
+    self.virtual_stages = virtual_stages
+    check_virtual_stages(self.name, self.num_stages, num_microbatches, virtual_stages)
+    need = (min_microbatches(self.name, self.num_stages, virtual_stages)
+            if self.pipelined else 1)
     if num_microbatches < need:
       raise ValueError(f"schedule {self.name} with {self.num_stages} stages needs at least "
                        f"{need} microbatches per step, got {num_microbatches}")
@@ -534,8 +537,9 @@ class Schedule:
   # makes the state to continue from out of what was read, on this mesh or
   # another. A checkpoint's arrays keep their global shapes when only the
   # data degree changes, and orbax reshards them on restore. What a stage
-  # count decides: the vocabulary padding (a multiple of S) and pipedream's S
-  # weight versions; 2bw's per-device in-flight buffers are not saved at all.
+  # count decides: the vocabulary padding (a multiple of S), pipedream's S
+  # weight versions and interleaved's layer order; 2bw's per-device in-flight
+  # buffers are not saved at all.
 
   def check_relayout(self, saved_stages: int, saved_data: int) -> None:
     """Raises ValueError if a state saved on a saved_stages x saved_data mesh cannot resume here."""
@@ -556,7 +560,7 @@ class Schedule:
     return jax.tree.map(lambda keep, x: x if keep else None, self.saved_fields(state), state)
 
   def resume(self, restored: NamedTuple, fresh: NamedTuple, *,
-             guarded: bool = False) -> NamedTuple:
+             guarded: bool = False, saved_stages: Optional[int] = None) -> NamedTuple:
     """The state to continue from, out of `restored`, read off a checkpoint of any mesh.
 
     `restored` holds the checkpoint's arrays where `saved_fields` says so
@@ -567,8 +571,10 @@ class Schedule:
     every optimizer, see `_vocab.pad_vocab`); every other array must already
     have its shape here. `guarded`: whether the run's steps take `go` (see
     `step`), so that a recomputation runs the very program they run.
+    `saved_stages`: the stage count the checkpoint was written with, for a
+    schedule whose layout depends on it (`Interleaved`); None = this one.
     """
-    del guarded
+    del guarded, saved_stages
 
     def fit(x, like):
       if x.shape == like.shape:

@@ -29,7 +29,8 @@ __all__ = ["stage_tick", "flops", "one_tick_plan", "MemoryTerm", "PHASES", "memo
            "memory_total"]
 
 _PER_ROW = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot",
-            "embed_version", "head_version", "head_acc", "embed_grad_version", "embed_acc")
+            "embed_version", "head_version", "head_acc", "embed_grad_version", "embed_acc",
+            "fwd_chunk", "bwd_chunk")
 
 
 def one_tick_plan(plan: StepPlan, tick: int) -> StepPlan:
@@ -265,8 +266,11 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
   cotangents, the compute-dtype copies of the weights, the version copies;
   one tick's working set (the head's logits, the stash entry written and
   the one read, the backward's float32 copies and weight gradient) and the
-  update's temporaries. Nothing is compiled: every shape comes from
-  `jax.eval_shape`.
+  update's temporaries. With v > 1 chunks per device (interleaved) a stash
+  slot, the backward's read and its weight gradient are one chunk's, the
+  ring has the engine's slot count, and a tick adds the copy of the chunk's
+  weights that it slices out of the stage's. Nothing is compiled: every
+  shape comes from `jax.eval_shape`.
   """
   state = jax.eval_shape(lambda p: sched.init(p, batch_shape), params)
   terms = _state_terms(sched, state, batch_shape, opt_parts)
@@ -274,6 +278,7 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
     return terms + _unpipelined_terms(sched.fns, params, batch_shape, sched.num_data)
   engine, plan, fns = sched.engine, sched.plan, sched.fns
   s_, d_ = sched.num_stages, sched.num_data
+  chunks = plan.virtual_stages   # per device (interleaved's v); a tick runs one
 
   padded = jax.eval_shape(sched.pad, params)
   blocks, shared = padded["blocks"], {k: v for k, v in padded.items() if k != "blocks"}
@@ -282,14 +287,15 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
   # device routes as many token slots through its experts as through all.
   device = _shards(padded, sched.param_shardings(padded))
   one_version = _f32(device)
-  blk_stage = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // s_,) + x.shape[1:],
-                                                          x.dtype), blocks)
+  blk_chunk = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((x.shape[0] // (s_ * chunks),) + x.shape[1:], x.dtype), blocks)
   shared_local = _local(shared, fns.vocab_axes, s_)
   m, b, t = batch_shape
   tokens = jax.ShapeDtypeStruct((b // d_, t), jnp.int32)
   x_like = jax.eval_shape(fns.embed, shared_local, tokens)
   act = _nbytes(x_like)
-  prepared = jax.eval_shape(fns.prepare, blk_stage)
+  # A stash entry and a backward hold one chunk's residuals (the stage's when v = 1).
+  prepared = jax.eval_shape(fns.prepare, blk_chunk)
   residuals = residual_shapes(fns.stage, prepared, x_like)
   entry = (_nbytes(residuals) if sched.stash == "residuals" else act) + 4  # + the aux loss
 
@@ -327,10 +333,13 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
   step.append(MemoryTerm("copies", "weight copies (compute dtype, versions)", copies, "step"))
 
   # The tick's weight gradient: as the backward makes it (in the compute
-  # dtype) and its float32 cast, added into the accumulator.
-  grad_cast = _f32(mine) + cast
+  # dtype) and its float32 cast, added into the accumulator; one chunk's.
+  grad_cast = (_f32(mine) + cast) // chunks
+  # With v > 1 a tick's forward and backward each slice their chunk out of
+  # the stage's prepared blocks with a traced index (`chunk_of`): a copy.
+  chunk_copy = _nbytes(jax.eval_shape(fns.prepare, mine)) // chunks if chunks > 1 else 0
   ticks = _tick_terms(sched, fns, plan, shared_local, residuals, entry, act, grad_cast,
-                      b // d_ * t)
+                      b // d_ * t, chunk_copy)
   update = [MemoryTerm("update", "reduced grads + update", one_version, "update")]
   return terms + step + ticks + update
 
@@ -355,13 +364,20 @@ def _unpipelined_terms(fns: StageFns, params: Tree, batch_shape: tuple[int, int,
       MemoryTerm("update", "reduced grads + update", _f32(params), "update")]
 
 
-def _tick_terms(sched, fns, plan, shared_local, residuals, entry, act, wgrad, tokens
-                ) -> list[MemoryTerm]:
+def _tick_terms(sched, fns, plan, shared_local, residuals, entry, act, wgrad, tokens,
+                chunk_copy) -> list[MemoryTerm]:
   """One tick's working set: the largest over the plan's loops, and the other loops' extra.
 
   The step runs one loop per run of ticks of one kind (`Engine.run`).
   Forward-only loops keep a working set of their own; loops with a backward
   share one when it reads residuals and keep one each when it recomputes.
+  The head's buffers are counted once, however many loops run it: with
+  v > 1 chunks it runs in forward-only loops and in loops with a backward,
+  and XLA's buffer assignment keeps one set for both (interleaved's
+  temporaries on the benchmark shapes with GPT-2's vocabulary exceed
+  1f1b's by the chunk copy alone, not by a second head). With v > 1 chunks
+  both a forward and a backward compute with `chunk_copy` bytes of one
+  chunk's weights sliced out of the stage's.
   """
   recompute = _nbytes(residuals)
   head = _head_bytes(fns, shared_local, tokens)
@@ -372,19 +388,21 @@ def _tick_terms(sched, fns, plan, shared_local, residuals, entry, act, wgrad, to
   parts = {"written": entry + 2 * act, "read": read, "widened": widened, "wgrad": wgrad + 2 * act}
   classes: dict[Any, int] = {}
   for kind, _, _ in plan.segments():
-    fwd = parts["written"] if kind.fwd else 0
-    bwd = parts["read"] + parts["widened"] + parts["wgrad"] if kind.bwd else 0
-    ws = max(fwd, bwd) + (head if kind.head_version is not None else 0)
+    fwd = parts["written"] + chunk_copy if kind.fwd else 0
+    bwd = parts["read"] + parts["widened"] + parts["wgrad"] + chunk_copy if kind.bwd else 0
+    ws = max(fwd, bwd)
     key = kind.bwd if sched.stash == "residuals" or not kind.bwd else (kind.fwd, kind.bwd)
     classes[key] = max(classes.get(key, 0), ws)
   if not any(kind.head_version is not None for kind in plan.kinds()):
     head = 0
-  own = head + read + widened + parts["wgrad"]
+  own = read + widened + parts["wgrad"] + chunk_copy
   return [
       MemoryTerm("head", "head: f32 logits x2 per chunk, output-layer grad", head, "ticks"),
       MemoryTerm("read", "backward's stash read (or recompute)", read, "ticks"),
       MemoryTerm("widened", "f32 copy of bf16 stash read (CPU matmuls)", widened, "ticks"),
       MemoryTerm("wgrad", "weight gradient (+ its f32 cast), activations", parts["wgrad"],
+                 "ticks"),
+      MemoryTerm("chunk", "a chunk's weights sliced for the tick (v > 1)", chunk_copy,
                  "ticks"),
       MemoryTerm("loops", "other tick loops' working sets",
                  max(0, sum(classes.values()) - own), "ticks"),

@@ -31,7 +31,27 @@ After the last tick, stage 0's input cotangents of the step go to every
 stage at once (one `psum`, with a split vocabulary) and each scatters them
 into its rows of the embedding's gradient.
 
-`Engine.evaluate` runs GPipe's forward ticks with the head's loss only.
+`Engine.evaluate` runs the forward ticks alone (GPipe's; with v chunks, the
+forward halves of interleaved's ticks, around the ring v times) with the
+head's loss only.
+
+Interleaved 1F1B (`plan.virtual_stages` v > 1): `blocks` holds the stage's v
+chunks of L/(S v) blocks one after another (chunk j is the pipeline's
+virtual stage j*S + s; `layer_order` in `_timetable`). A forward or
+backward runs the chunk the plan names. In the lockstep order stage s's
+chunk changes every S ticks, offset by s, so no loop of ticks has one chunk
+on every stage and the choice is made per tick: the chunk's blocks are
+sliced out of the stage's (`lax.dynamic_slice`, a copy of 1/v of the
+stage's weights per use, which a `lax.switch` over the chunks would trade
+for v copies of the stage's program in every tick; `chunk_of` takes a
+static chunk as a static slice) and its weight gradient is added into that
+chunk's rows of the accumulator in place. Stage S-1's output goes round the
+ring to stage 0 (and stage 0's input cotangent to stage S-1), so every
+stage both sends and receives in both directions. The embedding feeds
+stage 0's forwards of chunk 0 and its gradient takes their backwards; the
+head runs in the ticks in which the last stage's forward is of chunk v-1
+(under a `lax.cond` on the tick's chunk, which every stage reads alike, so
+the steady state stays one loop).
 
 Parameters arrive per stage: `blocks` is this stage's slice of the stacked
 blocks; `shared` (embedding, final norm, output layer) holds this stage's
@@ -57,7 +77,7 @@ from jaxpipe.pipeline._timetable import StepPlan, TickKind
 Tree = Any
 
 __all__ = ["StageFns", "TickCarry", "Engine", "STASH_CHOICES", "PHASE", "make_varying",
-           "varying_axes", "residual_shapes", "expert_exchange"]
+           "varying_axes", "residual_shapes", "expert_exchange", "chunk_of"]
 
 STAGE, DATA = "stage", "data"
 AXES = (STAGE, DATA)
@@ -70,6 +90,35 @@ PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "embed
 STASH_CHOICES = ("inputs", "residuals")
 # Plan arrays with one entry per (tick, stage), fed to the tick loops.
 _ROWS = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot")
+# And with v > 1 chunks per stage, which chunk each forward and backward runs.
+_CHUNK_ROWS = ("fwd_chunk", "bwd_chunk")
+
+
+def chunk_of(blocks: Tree, chunk, num_chunks: int) -> Tree:
+  """Chunk `chunk` of a stage's stacked blocks (v = num_chunks chunks, one after another).
+
+  A static chunk is a static slice; a traced one a `lax.dynamic_slice` (a
+  copy of the chunk's 1/v of the stage's weights).
+  """
+  if num_chunks == 1:
+    return blocks
+
+  def one(w):
+    size = w.shape[0] // num_chunks
+    if isinstance(chunk, (int, np.integer)):
+      return lax.slice_in_dim(w, int(chunk) * size, (int(chunk) + 1) * size, axis=0)
+    return lax.dynamic_slice_in_dim(w, chunk * size, size, axis=0)
+  return jax.tree.map(one, blocks)
+
+
+def _add_to_chunk(acc: jax.Array, grad: jax.Array, chunk, num_chunks: int) -> jax.Array:
+  """`acc` with `grad` (one chunk's rows) added into chunk `chunk`'s rows, in place."""
+  if num_chunks == 1:
+    return acc + grad.astype(acc.dtype)
+  size = acc.shape[0] // num_chunks
+  start = chunk * size
+  rows = lax.dynamic_slice_in_dim(acc, start, size, axis=0)
+  return lax.dynamic_update_slice_in_dim(acc, rows + grad.astype(acc.dtype), start, axis=0)
 
 
 def _same(blocks: Tree) -> Tree:
@@ -116,19 +165,15 @@ class StageFns(NamedTuple):
   def loss(self, shared: Tree, x: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean cross-entropy of `x` over the whole vocabulary (one device, no mesh axis).
 
-    A target outside the vocabulary makes the loss and its gradient NaN.
+    The one-device reference's head (schedule `none`): `jaxpipe.xent`'s
+    cross-entropy, the function a model's own loss calls with these very
+    arguments (jaxpipe's `Model.head_loss` does), and the one the pipelines'
+    head calls over a split vocabulary. A target outside the vocabulary
+    makes the loss and its gradient NaN.
     """
-    if self.loss_chunk:
-      return _vocab.chunked_cross_entropy(self.logits, shared, x, targets, 0, self.vocab_size,
-                                          None, self.loss_chunk)
-    logits = self.logits(shared, x)
-    cols = jnp.arange(logits.shape[-1])
-    z = jnp.where(cols < self.vocab_size, logits, -jnp.inf)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    target = jnp.take_along_axis(z, jnp.clip(targets, 0, logits.shape[-1] - 1)[..., None],
-                                 axis=-1)[..., 0]
-    bad = (targets < 0) | (targets >= self.vocab_size)
-    return jnp.mean((lse - target) * jnp.where(bad, jnp.nan, 1.0))
+    return _vocab.chunked_cross_entropy(self.logits, shared, x, targets, offset=0,
+                                        vocab_size=self.vocab_size, axis=None,
+                                        chunk=self.loss_chunk)
 
 
 def expert_exchange(x: jax.Array) -> jax.Array:
@@ -296,15 +341,16 @@ class _StepEmbedding(NamedTuple):
 
   @classmethod
   def of(cls, plan: StepPlan) -> "_StepEmbedding":
-    """The step's embedding work, from the plan's stage-0 columns."""
-    fwd_ticks = np.flatnonzero(plan.fwd[:, 0] >= 0)
+    """The step's embedding work, from the plan's stage-0 columns (forwards and
+    backwards of chunk 0: with v > 1 chunks the others take and give the ring's)."""
+    fwd_ticks = np.flatnonzero((plan.fwd[:, 0] >= 0) & (plan.fwd_chunk[:, 0] == 0))
     versions = {int(v) for v in plan.embed_version[fwd_ticks]}
     if len(versions) > 1:
       raise ValueError(f"{plan.schedule}: stage 0 embeds with several shared versions in one "
                        f"step ({sorted(versions)}); the engine embeds a step's microbatches at once")
     pos = np.zeros(plan.num_ticks, np.int32)
     pos[fwd_ticks] = np.arange(len(fwd_ticks), dtype=np.int32)
-    grad_ticks = np.flatnonzero(plan.bwd[:, 0] >= 0)
+    grad_ticks = np.flatnonzero((plan.bwd[:, 0] >= 0) & (plan.bwd_chunk[:, 0] == 0))
     return cls(plan.fwd[fwd_ticks, 0].astype(np.int32), versions.pop() if versions else None,
                pos, plan.bwd[grad_ticks, 0].astype(np.int32), grad_ticks.astype(np.int32),
                plan.embed_acc[grad_ticks].astype(np.int32))
@@ -332,13 +378,16 @@ class Engine:
     """
     if stash not in STASH_CHOICES:
       raise ValueError(f"stash must be one of {STASH_CHOICES}, got {stash!r}")
-    last = plan.num_stages - 1
-    if not plan.head_stash and not np.all((plan.bwd[:, last] < 0) | (plan.fwd[:, last] >= 0)):
+    last, top = plan.num_stages - 1, plan.virtual_stages - 1
+    heads = (plan.bwd[:, last] >= 0) & (plan.bwd_chunk[:, last] == top)
+    if not plan.head_stash and not np.all(
+        ~heads | ((plan.fwd[:, last] == plan.bwd[:, last]) & (plan.fwd_chunk[:, last] == top))):
       raise ValueError(f"{plan.schedule}: the last stage's backwards must share a tick with "
                        "its forwards, or the plan must stash the head's cotangent")
     self.fns, self.plan, self.stash_mode = fns, plan, stash
     self.solo_stage = solo_stage
     self.num_stages = plan.num_stages
+    self.chunks = plan.virtual_stages
     self.split = vocab_split(fns.vocab_axes)
     self.step_embedding = _StepEmbedding.of(plan)
     # Forwards the plan leaves empty write into a scratch slot past the ring.
@@ -364,7 +413,8 @@ class Engine:
               if (self.plan.fwd[t] >= 0).all() or (self.plan.bwd[t] >= 0).all()]
     if s_ == 1:
       return {"point_to_point": 0.0, "head": 0.0, "embedding": 0.0}
-    p2p = act_bytes if s_ == 2 else 2 * act_bytes
+    # Interleaved's ring: every stage sends an activation and a cotangent.
+    p2p = act_bytes if s_ == 2 and self.chunks == 1 else 2 * act_bytes
     ring = 2 * (s_ - 1) / s_
     head = (2 * ring * act_bytes + (s_ - 1) * 12 * tokens) if self.split else 0.0
     e = self.step_embedding
@@ -375,10 +425,14 @@ class Engine:
   # --- the carry ---------------------------------------------------------------
 
   def stash_entry(self, blocks: Tree, x: jax.Array) -> dict:
-    """One slot's stash for a stage input `x` (zeros; shapes only matter)."""
+    """One slot's stash for a stage input `x` (zeros; shapes only matter).
+
+    `blocks` are the stage's; with v > 1 chunks a slot holds one chunk's
+    input or residuals.
+    """
     aux = jnp.zeros((), jnp.float32)
     if self.stash_mode == "residuals":
-      _, kept = _vjp_layout(self.fns.stage, blocks, x)
+      _, kept = _vjp_layout(self.fns.stage, chunk_of(blocks, 0, self.chunks), x)
       entry = {"res": tuple(jnp.zeros(r.shape, r.dtype) for r in kept), "aux": aux}
     else:
       entry = {"x": jnp.zeros_like(x), "aux": aux}
@@ -419,7 +473,8 @@ class Engine:
     shared = tuple(make_varying(v) for v in shared_versions)
     layout = None
     if self.stash_mode == "residuals":
-      layout, _ = _vjp_layout(self.fns.stage, blocks[0], carry.fwd_buf)
+      layout, _ = _vjp_layout(self.fns.stage, chunk_of(blocks[0], 0, self.chunks),
+                              carry.fwd_buf)
     offset = s * self._local_vocab(shared[0]) if self.split else jnp.int32(0)
     ctx = _Ctx(stage=s, is_first=s == 0, is_last=s == self.num_stages - 1, offset=offset,
                blocks=blocks, shared=shared, tokens=tokens, targets=targets,
@@ -433,7 +488,8 @@ class Engine:
       # kind's work. (A single loop switching on the kind would keep one
       # working set instead of one per loop, but XLA's CPU runtime then
       # serialises the stages: a conditional holding collectives blocks.)
-      xs = {k: jnp.asarray(getattr(plan, k)[t0:t1]) for k in _ROWS}
+      xs = {k: jnp.asarray(getattr(plan, k)[t0:t1])
+            for k in _ROWS + (_CHUNK_ROWS if self.chunks > 1 else ())}
       xs["embed_pos"] = jnp.asarray(self.step_embedding.embed_pos[t0:t1])
       # Where every stage has work in every tick of the run (2bw's steady
       # state), no cond guards it: a cond costs the CPU runtime some overlap.
@@ -482,7 +538,15 @@ class Engine:
                 send_b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The tick's transfers: (activation from stage s-1, cotangent from stage s+1)."""
     fwd_buf, bwd_buf = c.fwd_buf, c.bwd_buf
-    if self.num_stages == 2 and kind.fwd and kind.bwd:
+    if self.chunks > 1 and self.num_stages == 1:
+      # One stage: the ring is the stage itself.
+      return (send_f if kind.fwd else fwd_buf), (send_b if kind.bwd else bwd_buf)
+    if self.chunks > 1 and self.num_stages == 2 and kind.fwd and kind.bwd:
+      # Interleaved on two stages: both directions of the ring are the same
+      # swap, and each stage sends an activation and a cotangent: one exchange.
+      got = lax.ppermute(jnp.stack([send_f, send_b]), STAGE, [(0, 1), (1, 0)])
+      fwd_buf, bwd_buf = got[0], got[1]
+    elif self.num_stages == 2 and kind.fwd and kind.bwd and self.chunks == 1:
       # Two stages: stage 0 sends its output up while stage 1 sends its input
       # cotangent down, one exchange. Each keeps the half it reads (stage 1
       # its forward input, stage 0 its backward cotangent); the other half is
@@ -503,11 +567,18 @@ class Engine:
     return lax.axis_index(STAGE)
 
   def _sends(self) -> tuple[list, list]:
-    """ppermute pairs to the next and the previous stage (none for a solo stage)."""
+    """ppermute pairs to the next and the previous stage (none for a solo stage).
+
+    With v > 1 chunks the ring closes: stage S-1 sends on to stage 0 (its
+    output of chunk j is stage 0's input of chunk j+1), and stage 0 back to
+    stage S-1.
+    """
     if self.solo_stage is not None:
       return [], []
     n = self.num_stages
-    return [(i, i + 1) for i in range(n - 1)], [(i + 1, i) for i in range(n - 1)]
+    wrap = self.chunks > 1 and n > 1
+    return ([(i, i + 1) for i in range(n - 1)] + ([(n - 1, 0)] if wrap else []),
+            [(i + 1, i) for i in range(n - 1)] + ([(0, n - 1)] if wrap else []))
 
   def _valid(self, ctx: _Ctx, i: jax.Array) -> jax.Array:
     return (i >= 0) & ((i >= self.plan.history) | ctx.has_history)
@@ -551,11 +622,14 @@ class Engine:
     f_ok = self._valid(ctx, f)
     x_in = c.fwd_buf
     if kind.embed_version is not None:
-      x_in = jnp.where(ctx.is_first, ctx.x0[row["embed_pos"]].astype(x_in.dtype), x_in)
+      embeds = ctx.is_first if self.chunks == 1 else ctx.is_first & (row["fwd_chunk"][s] == 0)
+      x_in = jnp.where(embeds, ctx.x0[row["embed_pos"]].astype(x_in.dtype), x_in)
     x_in = jnp.where(f_ok, x_in, jnp.zeros_like(x_in))
     fns = self.fns
+    chunk = row["fwd_chunk"][s] if self.chunks > 1 else 0
 
     def forward(blocks):
+      blocks = chunk_of(blocks, chunk, self.chunks)
       if self.stash_mode == "residuals":
         y, aux, kept, layout = _forward_with_vjp(fns.stage, blocks, x_in)
         assert layout.layout == ctx.layout.layout, "the stage traced differently"
@@ -581,14 +655,24 @@ class Engine:
     last = row["fwd"][self.num_stages - 1]
     last_ok = self._valid(ctx, last)
     shared, targets = ctx.shared[kind.head_version], ctx.targets[jnp.maximum(last, 0)]
+    # With v > 1 chunks the head runs when the last stage's forward is of the
+    # last chunk: the same on every stage (it is the tick's row), so a cond
+    # around collectives is one that every stage takes alike.
+    runs = None
+    if self.chunks > 1:
+      runs = row["fwd_chunk"][self.num_stages - 1] == self.chunks - 1
+      last_ok = last_ok & runs
     if self.split:
       # psum of the last stage's output (zeros elsewhere): a broadcast that
       # also makes every stage's head wait for every stage's forward.
-      h = lax.psum(jnp.where(ctx.is_last, y, jnp.zeros_like(y)), STAGE)
-      loss_h, g_sh, g_head = self._head(ctx, shared, h, targets)
+      def head():
+        h = lax.psum(jnp.where(ctx.is_last, y, jnp.zeros_like(y)), STAGE)
+        return self._head(ctx, shared, h, targets)
+      loss_h, g_sh, g_head = (head() if runs is None else
+                              _only_if(runs, lambda: make_varying(head())))
     else:
-      loss_h, g_sh, g_head = _only_if(ctx.is_last,
-                                      lambda: self._head(ctx, shared, y, targets))
+      on = ctx.is_last if runs is None else ctx.is_last & runs
+      loss_h, g_sh, g_head = _only_if(on, lambda: self._head(ctx, shared, y, targets))
     a = kind.head_acc
     accs[a] = (accs[a][0], jax.tree.map(
         lambda acc, g: acc + jnp.where(last_ok, g, jnp.zeros_like(g)).astype(acc.dtype),
@@ -638,15 +722,20 @@ class Engine:
     targets = [a for a in range(plan.num_accumulators)
                if kind.bwd_version is None or kind.bwd_version == a]
     block_accs = tuple(accs[a][0] for a in targets)
+    # With v > 1 chunks only the last chunk's backward takes the head's
+    # cotangent on the last stage; the others take the ring's.
+    chunk = row["bwd_chunk"][s] if self.chunks > 1 else 0
+    tops = ctx.is_last if self.chunks == 1 else ctx.is_last & (chunk == self.chunks - 1)
 
     def backward_and_add(valid=True):
       entry = jax.tree.map(
           lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False), stash)
       g_top = (entry["dh"] if top is None else top).astype(c.bwd_buf.dtype)
-      g_y = jnp.where(ctx.is_last, g_top, c.bwd_buf)
+      g_y = jnp.where(tops, g_top, c.bwd_buf)
       g_aux = make_varying(jnp.ones((), entry["aux"].dtype))
 
       def backward(blocks):
+        blocks = chunk_of(blocks, chunk, self.chunks)
         if self.stash_mode == "residuals":
           pull = _rebuild_vjp(ctx.layout, entry["res"], blocks)
         else:
@@ -658,8 +747,10 @@ class Engine:
       new = []
       for a, acc in zip(targets, block_accs):
         mine = valid if kind.bwd_version is not None else valid & (row["acc"][s] == a)
-        new.append(jax.tree.map(lambda t, g: t + jnp.where(mine, g, zeros(g)).astype(t.dtype),
-                                acc, g_blocks))
+        new.append(jax.tree.map(
+            lambda t, g, mine=mine: _add_to_chunk(t, jnp.where(mine, g, zeros(g)), chunk,
+                                                  self.chunks),
+            acc, g_blocks))
       g_x = jnp.where(valid, g_x, zeros(g_x))
       return tuple(new), g_x.astype(c.bwd_buf.dtype), entry["aux"]
 
@@ -728,12 +819,15 @@ class Engine:
 
   def evaluate(self, blocks: Tree, shared: Tree, tokens: jax.Array, targets: jax.Array,
                x_like: jax.ShapeDtypeStruct) -> jax.Array:
-    """The summed loss of [M, b, t] microbatches by GPipe's forward ticks (no gradients).
+    """The summed loss of [M, b, t] microbatches by forward ticks alone (no gradients).
 
+    GPipe's M+S-1 forward ticks; with v > 1 chunks the forward halves of
+    interleaved's ticks (Mv+S-1 of them: each group of S microbatches goes
+    round the ring v times, chunk by chunk, the head after the last).
     Cross-entropy counted on the last stage, auxiliary losses on each stage;
     summing over the mesh gives the batch total.
     """
-    m, num_stages = tokens.shape[0], self.num_stages
+    m, num_stages, v = tokens.shape[0], self.num_stages, self.chunks
     s = self._stage_index()
     is_first, is_last = s == 0, s == num_stages - 1
     blocks, shared = make_varying(self.fns.prepare(blocks)), make_varying(shared)
@@ -745,29 +839,45 @@ class Engine:
     if self.split:
       x0 = lax.psum(x0, STAGE)
     to_next, _ = self._sends()
-    ticks = jnp.arange(m + num_stages - 1)
+    # Stage s's k-th forward, at tick k + s: microbatch (k // (S v)) S + k % S
+    # through its chunk (k // S) % v (with v = 1: microbatch t - s).
+    k = np.arange(m * v + num_stages - 1)[:, None] - np.arange(num_stages)[None, :]
+    ok = (k >= 0) & (k < m * v)
+    rows = {"mb": np.where(ok, (k // (num_stages * v)) * num_stages + k % num_stages, -1),
+            "chunk": np.where(ok, (k // num_stages) % v, -1)}
+    rows = {name: jnp.asarray(x.astype(np.int32)) for name, x in rows.items()}
 
     def head_loss(h, tgt):
       return _vocab.chunked_cross_entropy(self.fns.logits, shared, h, tgt, offset,
                                           self.fns.vocab_size, STAGE if self.split else None,
                                           self.fns.loss_chunk)
 
-    def tick(c, t):
+    def tick(c, row):
       buf, total = c
-      f, last = t - s, t - (num_stages - 1)
-      f_ok, last_ok = (f >= 0) & (f < m), (last >= 0) & (last < m)
-      x = jnp.where(f_ok, jnp.where(is_first, x0[jnp.clip(t, 0, m - 1)].astype(buf.dtype), buf),
+      f, chunk = row["mb"][s], row["chunk"][s]
+      last = row["mb"][num_stages - 1]
+      f_ok = f >= 0
+      # The head: every tick (masked) with one chunk, else under a cond on
+      # the last stage's chunk, which every stage reads alike.
+      runs = None if v == 1 else row["chunk"][num_stages - 1] == v - 1
+      last_ok = (last >= 0) if runs is None else (last >= 0) & runs
+      embeds = is_first if v == 1 else is_first & (chunk == 0)
+      x = jnp.where(f_ok, jnp.where(embeds, x0[jnp.clip(f, 0, m - 1)].astype(buf.dtype), buf),
                     jnp.zeros_like(buf))
-      y, aux = self.fns.stage(blocks, x)
+      y, aux = self.fns.stage(chunk_of(blocks, chunk, v), x)
       y = y.astype(buf.dtype)
       tgt = targets[jnp.clip(last, 0, m - 1)]
       if self.split:
-        loss = head_loss(lax.psum(jnp.where(is_last, y, jnp.zeros_like(y)), STAGE), tgt)
+        head = lambda: head_loss(lax.psum(jnp.where(is_last, y, jnp.zeros_like(y)), STAGE), tgt)
+        loss = head() if runs is None else _only_if(runs, lambda: make_varying(head()))
       else:
-        loss = _only_if(is_last, lambda: head_loss(y, tgt))
+        on = is_last if runs is None else is_last & runs
+        loss = _only_if(on, lambda: head_loss(y, tgt))
       total = total + jnp.where(f_ok, aux, 0.0) + jnp.where(last_ok & is_last, loss, 0.0)
+      if num_stages == 1 and v > 1:
+        return (y, total), None
       return (lax.ppermute(y, STAGE, to_next), total), None
 
     init = make_varying((jnp.zeros(x_like.shape, x_like.dtype), jnp.zeros((), jnp.float32)))
-    (_, total), _ = lax.scan(tick, init, ticks)
+    (_, total), _ = lax.scan(tick, init, rows)
     return total

@@ -1,4 +1,4 @@
-"""Training schedules behind one interface: none, gpipe, 1f1b, 2bw, pipedream.
+"""Training schedules behind one interface: none, gpipe, 1f1b, 2bw, pipedream, interleaved.
 
 A `Schedule` owns a mesh, the model's `StageFns` and an optax optimizer. Its
 state is a typed pytree (`SyncState`, `PipeDreamState`, `TwoBWState`): the
@@ -19,6 +19,10 @@ pipeline, in the same jit, on these sharded arrays: element-wise rules and
 Muon's per-matrix orthogonalisation stay on the stage that owns the weights.
 `init` takes and `params` returns the natural (unpadded) parameter tree.
 
+Interleaved 1F1B holds its blocks in a layer order of its own
+(`Interleaved`), so that each device's slice of the stacked blocks is its v
+chunks; `params` and checkpoint exports give the natural order.
+
 Loss reporting: `step` returns `metrics['loss']`, the mean training loss of
 batch `metrics['loss_step']` at the weights that batch ran on. For 2bw a
 batch's last microbatches reach the last stage during the next step, so step k
@@ -38,9 +42,9 @@ from jaxpipe.pipeline._base import (  # pylint: disable=unused-import
     InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, _acc_dtype, _local,
     _per_device, _pick, make_mesh, merge_params, split_params)
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry
-from jaxpipe.pipeline._timetable import SCHEDULE_NAMES, step_plan
+from jaxpipe.pipeline._timetable import SCHEDULE_NAMES, layer_order, step_plan
 
-__all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight",
+__all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight", "Interleaved",
            "make_schedule", "make_mesh", "split_params", "merge_params", "SCHEDULE_NAMES"]
 
 
@@ -94,7 +98,8 @@ class _Pipelined(Schedule):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    self.plan = step_plan(self.name, self.num_stages, self.num_microbatches)
+    self.plan = step_plan(self.name, self.num_stages, self.num_microbatches,
+                          self.virtual_stages)
     self.engine = Engine(self.fns, self.plan, stash=self.stash)
 
   def _shard_map(self, fn, in_specs, out_specs):
@@ -205,6 +210,98 @@ class OneFOneB(_OneVersion):
   """1F1B (PipeDream-Flush): S-1 forward-only ticks, M ticks of both, S-1 backward-only."""
 
   name = "1f1b"
+
+
+class Interleaved(_OneVersion):
+  """Interleaved 1F1B (Megatron-LM's virtual pipeline stages): v chunks per device.
+
+  The L blocks are split into S*v chunks of L/(S v) consecutive blocks;
+  device s holds chunks s, s+S, ..., s+(v-1)S, so a microbatch goes round the
+  ring of stages v times (stage S-1's output of chunk j is stage 0's input
+  of chunk j+1). The ticks are Megatron's order in lockstep
+  (`_timetable._interleaved`), which needs M to be a multiple of S: a step
+  of v(M+S)+S-2 ticks of 1/v of a stage's work each, a bubble of
+  (S-1)/(vM+S-1) instead of 1f1b's (S-1)/(M+S-1), at the cost of v times the
+  stage-to-stage transfers and a stash of up to (v+1)S-1 chunk inputs (or
+  chunk residuals). One weight version, a flush every step: it trains
+  exactly as `none` on the whole batch.
+
+  Parameter layout. The state holds the stacked blocks in the layer order
+  `layer_order(L, S, v)` (device-major: device s's chunks in order), so
+  that sharding them over 'stage' like every schedule's gives each device a
+  contiguous slice holding its chunks, and the optimizer state follows the
+  same order (every optimizer here treats the stacked layer axis as a batch
+  of independent matrices, so the order changes nothing it computes).
+  `params` returns the natural order; `newest` and `eval_loss` use the
+  state's. A checkpoint holds the state as it is (this order, for the S it
+  was written with): `jaxpipe.runs.load_params` (export, generation) puts
+  it back in the natural order from the run's config, and `resume` onto
+  another stage count moves the blocks and their optimizer state from the
+  saved order to this mesh's (`pipeline.virtual_stages` itself must match,
+  as every key outside the layout keys must). The cost: one permutation of
+  the blocks at `init` and at such a resume, none per step.
+  """
+
+  name = "interleaved"
+
+  def _order(self, num_layers: int, num_stages: int) -> np.ndarray:
+    return layer_order(num_layers, num_stages, self.virtual_stages)
+
+  def _take_blocks(self, params: Tree, index: np.ndarray) -> Tree:
+    blocks, shared = split_params(params)
+    return merge_params(jax.tree.map(lambda x: jnp.take(x, index, axis=0), blocks), shared)
+
+  def _init_fn(self, params, *, batch_shape, token_dtype):
+    del batch_shape, token_dtype
+    params = self._pad(params)
+    num_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
+    params = self._take_blocks(params, self._order(num_layers, self.num_stages))
+    return SyncState(jnp.zeros((), jnp.int32), params, self.opt.init(params))
+
+  def params(self, state) -> Tree:
+    """The newest weights in the natural layer order and shapes."""
+    def natural(p):
+      num_layers = jax.tree.leaves(p["blocks"])[0].shape[0]
+      return self._unpad(self._take_blocks(
+          p, np.argsort(self._order(num_layers, self.num_stages))))
+    return jax.jit(natural)(self.newest(state))
+
+  def _reorder(self, state: SyncState, index: np.ndarray) -> SyncState:
+    """`state` with the stacked layer axis of the blocks, and of the optimizer
+    state that follows them, taken in the order `index`."""
+    num_layers = len(index)
+    blocks, shared = split_params(state.params)
+    marks = merge_params(jax.tree.map(lambda x: x.ndim, blocks),
+                         jax.tree.map(lambda x: -1, shared))
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+
+    def take(x, ndim):
+      if masked(x) or ndim < 0 or x.size == 0:
+        return x
+      lead = x.ndim - ndim  # the delay's slots and the like stand before the layer axis
+      if lead < 0 or x.shape[lead] != num_layers:
+        return x
+      return jnp.take(x, index, axis=lead)
+
+    opt_state = optax.tree_map_params(self.opt, take, state.opt_state, marks,
+                                      transform_non_params=lambda x: x, is_leaf=masked)
+    return SyncState(state.step, self._take_blocks(state.params, index), opt_state)
+
+  def resume(self, restored, fresh, *, guarded=False, saved_stages=None):
+    """Fits the vocabulary padding and, from another stage count, the layer order.
+
+    A checkpoint written with S' stages holds the blocks (and their optimizer
+    state) in `layer_order(L, S', v)`; here they are taken into this mesh's
+    order, the same weights in another place.
+    """
+    state = super().resume(restored, fresh, guarded=guarded)
+    if saved_stages is None or saved_stages == self.num_stages:
+      return state
+    num_layers = jax.tree.leaves(state.params["blocks"])[0].shape[0]
+    index = np.argsort(self._order(num_layers, saved_stages))[
+        self._order(num_layers, self.num_stages)]
+    return jax.jit(lambda st: self._reorder(st, index),
+                   out_shardings=self.state_shardings(fresh))(state)
 
 
 class PipeDream(_Pipelined):
@@ -353,7 +450,7 @@ class TwoBW(_Pipelined):
               for n, kind in InFlight.KINDS.items() if kind == "device"}
     return keep._replace(inflight=keep.inflight._replace(**device))
 
-  def resume(self, restored, fresh, *, guarded=False):
+  def resume(self, restored, fresh, *, guarded=False, saved_stages=None):
     """Re-pads the weights and recomputes batch k-1's in-flight state on this mesh.
 
     At the start of step k the pipeline holds what step k-1 did of batch
@@ -369,7 +466,7 @@ class TwoBW(_Pipelined):
     other values. On another mesh it is the same state in the new layout
     (equal up to the order of reductions). The cost is one step's compute.
     """
-    state = super().resume(restored, fresh)
+    state = super().resume(restored, fresh, saved_stages=saved_stages)
     k = int(state.step)
     if k == 0:
       return state   # nothing in flight before the first step
@@ -392,7 +489,7 @@ class TwoBW(_Pipelined):
 
 
 _CLASSES = {"none": NoPipeline, "gpipe": GPipe, "1f1b": OneFOneB, "2bw": TwoBW,
-            "pipedream": PipeDream}
+            "pipedream": PipeDream, "interleaved": Interleaved}
 
 
 def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformation,
@@ -411,7 +508,9 @@ def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformat
   `Schedule.param_specs`); `predict`
   (schedule none only: a function (params, opt_state) -> the weights the
   gradient is taken at, e.g. `jaxpipe.optim.predicted_params`; the update is
-  applied to params, and evaluation uses params).
+  applied to params, and evaluation uses params); `virtual_stages`
+  (interleaved only, default 1: the chunks of blocks per device, see
+  `Interleaved`).
   """
   if name not in _CLASSES:
     raise ValueError(f"unknown schedule '{name}'; choose from {', '.join(SCHEDULE_NAMES)}")

@@ -23,6 +23,17 @@ and per tick (arrays of shape [ticks]), for the work every stage shares:
   embed_acc          microbatch, whose embedding gradient every stage adds to
                      its slice.
 
+Interleaved 1F1B (`virtual_stages` v > 1) adds, per (tick, stage),
+
+  fwd_chunk,         which of the stage's v chunks of blocks that forward (and
+  bwd_chunk          that backward) runs (-1 for none; 0 in every other plan),
+
+and its per-tick shared entries name only the ticks whose microbatch meets
+them: stage 0's forward of chunk 0 (the embedding), the last stage's forward
+of chunk v-1 (the head), stage 0's backward of chunk 0 (the embedding
+gradient). Device s holds chunks s, s+S, ..., s+(v-1)S of the L/(S v)-block
+chunks, in that order (`layer_order`).
+
 Block versions and shared versions are separate tuples: 2bw gives the engine
 (v[k-1], v[k]) for both; pipedream gives each stage its own lagged blocks and,
 for the shared parameters, (the embedding's version, the head's version),
@@ -51,10 +62,10 @@ import numpy as np
 
 __all__ = ["SCHEDULE_NAMES", "PIPELINED", "StepPlan", "TickKind", "Facts", "Cell", "Timetable",
            "step_plan", "facts", "timetable", "min_microbatches", "stash_slots",
-           "FORWARD_COST", "BACKWARD_COST"]
+           "FORWARD_COST", "BACKWARD_COST", "layer_order", "check_virtual_stages"]
 
-SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "2bw", "pipedream")
-PIPELINED = ("gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "2bw", "pipedream", "interleaved")
+PIPELINED = ("gpipe", "1f1b", "2bw", "pipedream", "interleaved")
 
 # The cost model of a tick: a forward of one stage on one microbatch is one
 # unit, its backward two (a backward computes the gradients of both the
@@ -63,27 +74,140 @@ PIPELINED = ("gpipe", "1f1b", "2bw", "pipedream")
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 
 
-def min_microbatches(schedule: str, num_stages: int) -> int:
-  """The fewest microbatches per step a schedule accepts for S stages."""
+def min_microbatches(schedule: str, num_stages: int, virtual_stages: int = 1) -> int:
+  """The fewest microbatches per step a schedule accepts for S stages.
+
+  Interleaved 1F1B with v > 1 chunks per device also needs M to be a multiple
+  of S (`check_virtual_stages`).
+  """
   if schedule == "2bw":
     # Every backward of batch k-1 must land within step k (docs/schedules.md).
     return max(1, 2 * (num_stages - 1))
+  if schedule == "interleaved" and virtual_stages > 1:
+    return num_stages
   return 1
 
 
-def stash_slots(schedule: str, num_stages: int, num_microbatches: int) -> int:
+def check_virtual_stages(schedule: str, num_stages: int, num_microbatches: int,
+                         virtual_stages: int) -> None:
+  """Raises ValueError (one line) where v chunks per device cannot run.
+
+  Only `interleaved` splits a device's blocks into v > 1 chunks, and its
+  order (Megatron's: groups of S microbatches go around the ring v times)
+  needs M to be a multiple of S.
+  """
+  if virtual_stages < 1:
+    raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+  if virtual_stages > 1 and schedule != "interleaved":
+    raise ValueError(f"{schedule} runs one chunk of blocks per device; virtual_stages="
+                     f"{virtual_stages} needs schedule interleaved")
+  if schedule == "interleaved" and virtual_stages > 1 and num_microbatches % num_stages:
+    raise ValueError(f"interleaved needs a number of microbatches that is a multiple of "
+                     f"the {num_stages} stages, got {num_microbatches}")
+
+
+def layer_order(num_layers: int, num_stages: int, virtual_stages: int) -> np.ndarray:
+  """int [L]: the layer each position of interleaved's stacked blocks holds.
+
+  The blocks are split into S*v chunks of L/(S v) consecutive layers; device
+  s holds chunks s, s+S, ..., s+(v-1)S. Stacked in this order and sharded
+  over 'stage' like every schedule's blocks, each device's contiguous slice
+  is exactly its chunks, chunk j of the device (global chunk j*S + s) at
+  local positions [j L/(S v), (j+1) L/(S v)). `own = canonical[order]`,
+  `canonical = own[argsort(order)]`; v = 1 is the identity.
+  """
+  chunk = num_layers // (num_stages * virtual_stages)
+  if chunk * num_stages * virtual_stages != num_layers:
+    raise ValueError(f"{num_layers} layers do not split into {num_stages} stages x "
+                     f"{virtual_stages} chunks")
+  # [stage, chunk of the stage, layer of the chunk] -> canonical layer.
+  s, j, i = np.meshgrid(np.arange(num_stages), np.arange(virtual_stages), np.arange(chunk),
+                        indexing="ij")
+  return ((j * num_stages + s) * chunk + i).reshape(-1)
+
+
+def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int):
+  """Interleaved 1F1B in lockstep: (fwd, fwd_chunk, bwd, bwd_chunk, slots, num_slots).
+
+  Megatron's order (Narayanan et al. 2021): a device's k-th forward works on
+  chunk (k // S) % v of microbatch (k // (S v)) S + k % S, its k-th backward
+  on chunk v-1-(k // S) % v of the same microbatch formula. In lockstep
+  stage s runs its forward k = t - s at tick t and its backward
+  k = t - (v S + S - 2) + s. Then every transfer lands in the very next
+  tick, across the ring's wrap too: stage S-1's output of chunk j of a
+  microbatch is stage 0's input of chunk j+1 one tick later, and stage 0's
+  input cotangent of chunk j+1 is stage S-1's output cotangent of chunk j.
+  The last stage runs a microbatch's forward and backward of chunk v-1 in
+  one tick (the head in between), as 1f1b does. v = 1 is 1f1b exactly.
+
+  Stash slots: an entry lives from its forward's tick to its backward's; the
+  engine writes a tick's forward before it reads its backward, so entries
+  share a slot only when one is read before the other is written. Slots are
+  given first-free in forward order (an interval colouring, which needs no
+  more slots than entries alive at once: (v+1)S-1 on stage 0 once M v
+  reaches it, Megatron's warm-up of 2(S-1) + (v-1)S forwards plus one).
+  """
+  s_, m, v = num_stages, num_microbatches, virtual_stages
+  ticks = m * v + v * s_ + s_ - 2
+  t = np.arange(ticks)[:, None]
+  stage = np.arange(s_)[None, :]
+  kf, kb = t - stage, t - (v * s_ + s_ - 2) + stage
+  total = m * v
+
+  def micro(k):
+    return (k // (s_ * v)) * s_ + k % s_
+
+  f_ok, b_ok = (kf >= 0) & (kf < total), (kb >= 0) & (kb < total)
+  fwd = np.where(f_ok, micro(kf), -1)
+  bwd = np.where(b_ok, micro(kb), -1)
+  fwd_chunk = np.where(f_ok, (kf // s_) % v, -1)
+  bwd_chunk = np.where(b_ok, v - 1 - (kb // s_) % v, -1)
+  fwd_slot = np.full_like(fwd, -1)
+  bwd_slot = np.full_like(bwd, -1)
+  most = 0
+  for st in range(s_):
+    free, held = [], {}   # held: (mb, chunk) -> slot
+    ends = []             # (read tick, slot) of the entries held
+    used = 0
+    for tick in range(ticks):
+      # Slots read before this tick are free again.
+      for end, slot in [e for e in ends if e[0] < tick]:
+        free.append(slot)
+        ends.remove((end, slot))
+      if fwd[tick, st] >= 0:
+        key = (int(fwd[tick, st]), int(fwd_chunk[tick, st]))
+        if free:
+          free.sort()
+          slot = free.pop(0)
+        else:
+          slot, used = used, used + 1
+        held[key] = slot
+        fwd_slot[tick, st] = slot
+        read = int(np.flatnonzero((bwd[:, st] == key[0]) & (bwd_chunk[:, st] == key[1]))[0])
+        ends.append((read, slot))
+      if bwd[tick, st] >= 0:
+        bwd_slot[tick, st] = held.pop((int(bwd[tick, st]), int(bwd_chunk[tick, st])))
+    most = max(most, used)
+  return fwd, fwd_chunk, bwd, bwd_chunk, fwd_slot, bwd_slot, most
+
+
+def stash_slots(schedule: str, num_stages: int, num_microbatches: int,
+                virtual_stages: int = 1) -> int:
   """Stash slots each stage keeps (the ring the engine carries).
 
   A microbatch's stage input (or its residuals) lives on stage s from its
   forward to its backward, 2(S-1-s) ticks later; the engine writes a tick's
   forward before it reads its backward, so 2(S-1)+1 slots serve every stage
   of 1f1b, 2bw and pipedream. GPipe runs every forward before any backward:
-  M slots.
+  M slots. Interleaved: as many as its plan has alive at once ((v+1)S-1
+  chunk inputs once M v reaches that; see `_interleaved`).
   """
   if schedule == "gpipe":
     return num_microbatches
   if schedule == "none":
     return 0
+  if schedule == "interleaved":
+    return _interleaved(num_stages, num_microbatches, virtual_stages)[-1]
   return 2 * (num_stages - 1) + 1
 
 
@@ -98,6 +222,10 @@ class TickKind:
       stage). The backward's accumulator is the same as its version.
     embed_version, head_version, head_acc, embed_grad_version, embed_acc:
       the per-tick entries of the plan (None where no microbatch is there).
+      In an interleaved plan (v > 1) they say what the tick would use if
+      its microbatch met the embedding (the head, ...): whether it does
+      changes with the chunks every S ticks, and the engine reads that from
+      the tick's chunks, so that the steady state stays one loop.
   """
   fwd: bool
   bwd: bool
@@ -127,8 +255,12 @@ class StepPlan:
       schedules start every step from slot 0).
     head_stash: the last stage's head cotangent must wait in the stash for
       a later backward tick (gpipe), instead of being used in the same tick.
+    virtual_stages: v, the chunks of blocks each device holds (1 but for
+      interleaved).
     fwd, bwd, fwd_version, bwd_version, acc, fwd_slot, bwd_slot: int32 [T, S].
     embed_version, head_version, head_acc, embed_grad_version, embed_acc: int32 [T].
+    fwd_chunk, bwd_chunk: int32 [T, S], the chunk of each forward and
+      backward (-1 for none).
   """
   schedule: str
   num_stages: int
@@ -141,6 +273,7 @@ class StepPlan:
   slots: int
   slot_base_step: bool
   head_stash: bool
+  virtual_stages: int
   fwd: np.ndarray
   bwd: np.ndarray
   fwd_version: np.ndarray
@@ -153,6 +286,8 @@ class StepPlan:
   head_acc: np.ndarray
   embed_grad_version: np.ndarray
   embed_acc: np.ndarray
+  fwd_chunk: np.ndarray
+  bwd_chunk: np.ndarray
 
   @property
   def num_ticks(self) -> int:
@@ -168,11 +303,19 @@ class StepPlan:
       return None if int(x) < 0 else int(x)
 
     f_ok, b_ok = self.fwd[tick] >= 0, self.bwd[tick] >= 0
+    shared = (self.embed_version[tick], self.head_version[tick], self.head_acc[tick],
+              self.embed_grad_version[tick], self.embed_acc[tick])
+    if self.virtual_stages > 1:
+      # Whether stage 0's forward embeds (the last stage's meets the head)
+      # changes with its chunk; the kind names the version it would use.
+      shared = (self.fwd_version[tick, 0] if f_ok[0] else -1,
+                self.fwd_version[tick, -1] if f_ok[-1] else -1,
+                self.fwd_version[tick, -1] if f_ok[-1] else -1,
+                self.bwd_version[tick, 0] if b_ok[0] else -1,
+                self.acc[tick, 0] if b_ok[0] else -1)
     return TickKind(bool(f_ok.any()), bool(b_ok.any()),
                     uniform(self.fwd_version[tick], f_ok), uniform(self.bwd_version[tick], b_ok),
-                    scalar(self.embed_version[tick]), scalar(self.head_version[tick]),
-                    scalar(self.head_acc[tick]), scalar(self.embed_grad_version[tick]),
-                    scalar(self.embed_acc[tick]))
+                    *map(scalar, shared))
 
   def kinds(self) -> list[TickKind]:
     """The distinct tick kinds of the step, in order of first appearance."""
@@ -200,8 +343,12 @@ class StepPlan:
     return out
 
   def tick_costs(self) -> np.ndarray:
-    """[T] duration of each tick under the cost model (FORWARD_COST, BACKWARD_COST)."""
-    return np.array([FORWARD_COST * k.fwd + BACKWARD_COST * k.bwd
+    """[T] duration of each tick under the cost model (FORWARD_COST, BACKWARD_COST).
+
+    An interleaved tick runs one chunk, 1/v of a stage's blocks: it lasts 1/v
+    of a tick of the other schedules.
+    """
+    return np.array([(FORWARD_COST * k.fwd + BACKWARD_COST * k.bwd) / self.virtual_stages
                      for k in map(self.kind, range(self.num_ticks))])
 
 
@@ -210,15 +357,21 @@ def _per_tick(column: np.ndarray, table: np.ndarray) -> np.ndarray:
   return np.where(column >= 0, table[np.maximum(column, 0)], -1).astype(np.int32)
 
 
-def step_plan(schedule: str, num_stages: int, num_microbatches: int) -> StepPlan:
-  """Builds the per-step plan of a pipelined schedule (see module docstring)."""
-  s_, m = num_stages, num_microbatches
+def step_plan(schedule: str, num_stages: int, num_microbatches: int,
+              virtual_stages: int = 1) -> StepPlan:
+  """Builds the per-step plan of a pipelined schedule (see module docstring).
+
+  `virtual_stages`: v, the chunks of blocks per device (interleaved only).
+  """
+  s_, m, v = num_stages, num_microbatches, virtual_stages
   if schedule not in PIPELINED:
     raise ValueError(f"schedule {schedule!r} has no stage plan; choose from {PIPELINED}")
-  if m < min_microbatches(schedule, s_):
-    raise ValueError(f"{schedule} needs at least {min_microbatches(schedule, s_)} "
+  check_virtual_stages(schedule, s_, m, v)
+  if m < min_microbatches(schedule, s_, v):
+    raise ValueError(f"{schedule} needs at least {min_microbatches(schedule, s_, v)} "
                      f"microbatches for {s_} stages, got {m}")
   stage = np.arange(s_)[None, :]
+  fwd_chunk = bwd_chunk = fwd_slot = bwd_slot = None
   if schedule == "2bw":
     window, history, versions = 2 * m, m, 2
     tick = np.arange(m)[:, None]
@@ -236,6 +389,11 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int) -> StepPlan
     bwd = np.where((b >= 0) & (b < m), b, -1)
     batch = np.zeros(window, np.int32)
     slot = np.arange(window)
+  elif schedule == "interleaved":
+    window, history, versions = m, 0, 1
+    fwd, fwd_chunk, bwd, bwd_chunk, fwd_slot, bwd_slot, _ = _interleaved(s_, m, v)
+    batch = np.zeros(window, np.int32)
+    slot = None
   else:  # gpipe: M+S-1 forward ticks, then the backwards in reverse order.
     window, history, versions = m, 0, 1
     tick = np.arange(m + s_ - 1)[:, None]
@@ -246,8 +404,19 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int) -> StepPlan
     batch = np.zeros(window, np.int32)
     slot = np.arange(window)
   fwd, bwd = fwd.astype(np.int32), bwd.astype(np.int32)
+  if fwd_chunk is None:
+    fwd_chunk = np.where(fwd >= 0, 0, -1)
+    bwd_chunk = np.where(bwd >= 0, 0, -1)
+    fwd_slot, bwd_slot = _per_tick(fwd, slot), _per_tick(bwd, slot)
+  fwd_chunk, bwd_chunk = fwd_chunk.astype(np.int32), bwd_chunk.astype(np.int32)
   acc = _per_tick(bwd, batch)
-  head_version = _per_tick(fwd[:, -1], batch)
+  # The per-tick shared entries: stage 0's forward of the first chunk (the
+  # embedding), the last stage's of the last chunk (the head), stage 0's
+  # backward of the first chunk (the embedding's gradient).
+  embeds = np.where(fwd_chunk[:, 0] == 0, fwd[:, 0], -1)
+  heads = np.where(fwd_chunk[:, -1] == v - 1, fwd[:, -1], -1)
+  grads = np.where(bwd_chunk[:, 0] == 0, bwd[:, 0], -1)
+  head_version = _per_tick(heads, batch)
   shared_versions = versions
   if schedule == "pipedream":
     # Shared version 0 is the embedding's (stage 0's lag), 1 the head's (none).
@@ -256,13 +425,13 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int) -> StepPlan
   return StepPlan(
       schedule=schedule, num_stages=s_, num_microbatches=m, window=window, history=history,
       num_versions=versions, num_shared_versions=shared_versions, num_accumulators=versions,
-      slots=stash_slots(schedule, s_, m), slot_base_step=schedule == "2bw",
-      head_stash=schedule == "gpipe",
+      slots=stash_slots(schedule, s_, m, v), slot_base_step=schedule == "2bw",
+      head_stash=schedule == "gpipe", virtual_stages=v,
       fwd=fwd, bwd=bwd, fwd_version=_per_tick(fwd, batch), bwd_version=_per_tick(bwd, batch),
-      acc=acc, fwd_slot=_per_tick(fwd, slot), bwd_slot=_per_tick(bwd, slot),
-      embed_version=_per_tick(fwd[:, 0], batch), head_version=head_version,
-      head_acc=_per_tick(fwd[:, -1], batch), embed_grad_version=_per_tick(bwd[:, 0], batch),
-      embed_acc=acc[:, 0].copy())
+      acc=acc, fwd_slot=fwd_slot.astype(np.int32), bwd_slot=bwd_slot.astype(np.int32),
+      embed_version=_per_tick(embeds, batch), head_version=head_version,
+      head_acc=_per_tick(heads, batch), embed_grad_version=_per_tick(grads, batch),
+      embed_acc=_per_tick(grads, batch), fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +450,10 @@ class Facts:
     stash_slots: stash slots each stage keeps.
     gradient_delay: the gradient delay, in words.
     flushes: whether every step drains the pipeline.
+    virtual_stages: v, the chunks of blocks each device holds.
+    transfers: activations a step sends from device to device, over the
+      whole pipeline (as many cotangents come back): M(S-1), and M(vS-1)
+      for interleaved, whose microbatches go around the ring v times.
   """
   schedule: str
   num_stages: int
@@ -293,27 +466,36 @@ class Facts:
   stash_slots: int
   gradient_delay: str
   flushes: bool
+  virtual_stages: int = 1
+  transfers: int = 0
 
 
-def facts(schedule: str, num_stages: int, num_microbatches: int) -> Facts:
-  """The facts of a schedule, read off its plan (raises ValueError for a bad M)."""
-  s_, m = num_stages, num_microbatches
+def facts(schedule: str, num_stages: int, num_microbatches: int,
+          virtual_stages: int = 1) -> Facts:
+  """The facts of a schedule, read off its plan (raises ValueError for a bad M or v)."""
+  s_, m, v = num_stages, num_microbatches, virtual_stages
   if schedule not in SCHEDULE_NAMES:
     raise ValueError(f"unknown schedule '{schedule}'; choose from {', '.join(SCHEDULE_NAMES)}")
   delay = {"none": "none (or optimizer.delay)", "gpipe": "none", "1f1b": "none",
-           "2bw": "one step", "pipedream": "S-1-s steps on stage s"}[schedule]
+           "2bw": "one step", "pipedream": "S-1-s steps on stage s",
+           "interleaved": "none"}[schedule]
   if schedule == "none":
+    check_virtual_stages(schedule, s_, m, v)
     cost = (FORWARD_COST + BACKWARD_COST) * m * s_
     return Facts(schedule, s_, m, 1, 0, cost, 0.0, 1, 0, delay, True)
-  plan = step_plan(schedule, s_, m)
+  plan = step_plan(schedule, s_, m, v)
   cost = float(plan.tick_costs().sum())
   # Busy time: every microbatch's forward and backward on every stage; a 2bw
   # step in steady state runs M of each (the previous batch's last ones
-  # included), as do the flushed schedules.
+  # included), as do the flushed schedules (interleaved's v chunks make one
+  # stage's work).
   busy = (FORWARD_COST + BACKWARD_COST) * m * s_
-  versions = {"gpipe": 1, "1f1b": 1, "2bw": 2, "pipedream": s_}[schedule]
-  return Facts(schedule, s_, m, min_microbatches(schedule, s_), plan.num_ticks, cost,
-               1.0 - busy / (cost * s_), versions, plan.slots, delay, schedule != "2bw")
+  versions = {"gpipe": 1, "1f1b": 1, "2bw": 2, "pipedream": s_, "interleaved": 1}[schedule]
+  # Every forward sends its output on, but the last stage's of the last chunk.
+  sends = int(((plan.fwd >= 0) & (plan.fwd_chunk * s_ + np.arange(s_) < v * s_ - 1)).sum())
+  return Facts(schedule, s_, m, min_microbatches(schedule, s_, v), plan.num_ticks, cost,
+               1.0 - busy / (cost * s_), versions, plan.slots, delay, schedule != "2bw", v,
+               sends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +504,9 @@ class Cell:
 
   A weight version is the number of updates the weights have seen (v[k] ran
   batch k in 2bw; with pipedream stage s runs batch k on v[k - (S-1-s)]).
+  A chunk is which of the stage's chunks of blocks the forward (backward)
+  runs: 0 but in interleaved, where chunk j of stage s is the pipeline's
+  virtual stage j*S + s.
   """
   fwd: Optional[int] = None
   bwd: Optional[int] = None
@@ -329,6 +514,8 @@ class Cell:
   bwd_version: Optional[int] = None
   fwd_slot: Optional[int] = None
   bwd_slot: Optional[int] = None
+  fwd_chunk: Optional[int] = None
+  bwd_chunk: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +523,8 @@ class Timetable:
   """A schedule unrolled over `num_steps` steps; `cells[tick][stage]`.
 
   `tick_costs[t]` is tick t's duration under the cost model (1 for a
-  forward, 2 for a backward, 3 for a tick with both).
+  forward, 2 for a backward, 3 for a tick with both; divided by v for
+  interleaved's ticks, which run one of a stage's v chunks).
   """
   schedule: str
   num_stages: int
@@ -345,6 +533,7 @@ class Timetable:
   ticks_per_step: int
   cells: tuple[tuple[Cell, ...], ...]
   tick_costs: tuple[float, ...]
+  virtual_stages: int = 1
 
   @property
   def num_ticks(self) -> int:
@@ -354,11 +543,12 @@ class Timetable:
     """Share of one step's stage time left idle (the bubble, for a steady step).
 
     Counted from the cells: a stage is busy FORWARD_COST for each forward
-    and BACKWARD_COST for each backward it runs, out of the step's duration.
+    and BACKWARD_COST for each backward it runs (1/v of that for one of
+    interleaved's chunks), out of the step's duration.
     """
     lo, hi = step * self.ticks_per_step, (step + 1) * self.ticks_per_step
     busy = sum(FORWARD_COST * (c.fwd is not None) + BACKWARD_COST * (c.bwd is not None)
-               for row in self.cells[lo:hi] for c in row)
+               for row in self.cells[lo:hi] for c in row) / self.virtual_stages
     return 1.0 - busy / (sum(self.tick_costs[lo:hi]) * self.num_stages)
 
   def ascii(self) -> str:
@@ -366,15 +556,19 @@ class Timetable:
 
     A cell reads `F3/B1`: forward of microbatch 3 and backward of microbatch 1
     (global numbers; batch = microbatch // M); a trailing `'v` gives the
-    weight version when more than one is alive; `.` is an idle slot, and a
-    tick in which no stage runs a forward (or a backward) drops that half.
+    weight version when more than one is alive, and with v > 1 chunks a
+    `c` the stage's chunk (`F3c1`: microbatch 3 through the stage's second
+    chunk); `.` is an idle slot, and a tick in which no stage runs a forward
+    (or a backward) drops that half.
     """
     many_versions = self.schedule in ("2bw", "pipedream")
+    chunks = self.virtual_stages > 1
 
-    def part(kind: str, mb: Optional[int], ver: Optional[int]) -> str:
+    def part(kind: str, mb: Optional[int], ver: Optional[int], chunk: Optional[int]) -> str:
       if mb is None:
         return "."
-      return f"{kind}{mb}" + (f"v{ver}" if many_versions else "")
+      return (f"{kind}{mb}" + (f"v{ver}" if many_versions else "")
+              + (f"c{chunk}" if chunks else ""))
 
     cols = []
     for row in self.cells:
@@ -382,14 +576,15 @@ class Timetable:
       any_b = any(c.bwd is not None for c in row)
       col = []
       for c in row:
-        parts = ([part("F", c.fwd, c.fwd_version)] if any_f or not any_b else []) + (
-            [part("B", c.bwd, c.bwd_version)] if any_b else [])
+        parts = ([part("F", c.fwd, c.fwd_version, c.fwd_chunk)] if any_f or not any_b
+                 else []) + ([part("B", c.bwd, c.bwd_version, c.bwd_chunk)] if any_b else [])
         col.append("/".join(parts))
       cols.append(col)
     width = max(len(x) for col in cols for x in col)
     width = max(width, len(str(self.num_ticks - 1)))
-    lines = [f"{self.schedule}: S={self.num_stages} M={self.num_microbatches}, "
-             f"{self.ticks_per_step} ticks per step, {self.num_steps} steps"]
+    lines = [f"{self.schedule}: S={self.num_stages} M={self.num_microbatches}"
+             + (f" v={self.virtual_stages}" if chunks else "")
+             + f", {self.ticks_per_step} ticks per step, {self.num_steps} steps"]
     head = "tick    " + " ".join(f"{t:>{width}}" for t in range(self.num_ticks))
     lines.append(head)
     for s in range(self.num_stages):
@@ -400,7 +595,7 @@ class Timetable:
 
 
 def timetable(schedule: str, num_stages: int, num_microbatches: int,
-              num_steps: int = 2) -> Timetable:
+              num_steps: int = 2, virtual_stages: int = 1) -> Timetable:
   """Unrolls a schedule's step plan over `num_steps` steps (2bw: step 0 fills).
 
   Global microbatch numbers, versions and slots come from the plan's arrays:
@@ -408,15 +603,16 @@ def timetable(schedule: str, num_stages: int, num_microbatches: int,
   the flushed schedules), plan version i of a 2bw step k is v[k-1+i], and a
   stash slot is (base + offset) mod slots with base k*M when the plan's base
   advances. Pipedream's plan has one block version, the one the engine is
-  given: stage s's v[max(0, k-(S-1-s))].
+  given: stage s's v[max(0, k-(S-1-s))]. Chunks are the plan's.
   """
   s_, m = num_stages, num_microbatches
   if schedule == "none":
+    check_virtual_stages(schedule, s_, m, virtual_stages)
     cells = tuple((Cell(k * m + j, k * m + j, k, k),)
                   for k in range(num_steps) for j in range(m))
     cost = FORWARD_COST + BACKWARD_COST
     return Timetable(schedule, 1, m, num_steps, m, cells, (cost,) * len(cells))
-  plan = step_plan(schedule, s_, m)
+  plan = step_plan(schedule, s_, m, virtual_stages)
   first = -m if plan.history else 0
 
   def version(k: int, stage: int, plan_version: int) -> int:
@@ -442,7 +638,10 @@ def timetable(schedule: str, num_stages: int, num_microbatches: int,
             None if fg is None else version(k, s, int(plan.fwd_version[t, s])),
             None if bg is None else version(k, s, int(plan.bwd_version[t, s])),
             None if fg is None else (base + int(plan.fwd_slot[t, s])) % plan.slots,
-            None if bg is None else (base + int(plan.bwd_slot[t, s])) % plan.slots))
+            None if bg is None else (base + int(plan.bwd_slot[t, s])) % plan.slots,
+            None if fg is None else int(plan.fwd_chunk[t, s]),
+            None if bg is None else int(plan.bwd_chunk[t, s])))
       rows.append(tuple(row))
   costs = tuple(float(c) for c in plan.tick_costs()) * num_steps
-  return Timetable(schedule, s_, m, num_steps, plan.num_ticks, tuple(rows), costs)
+  return Timetable(schedule, s_, m, num_steps, plan.num_ticks, tuple(rows), costs,
+                   virtual_stages)
