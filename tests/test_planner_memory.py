@@ -46,14 +46,14 @@ def test_estimate_within_10_percent_of_xla(small_plan, schedule, stash):
 
 def test_terms_sum_to_the_total_and_name_what_they_count(small_plan):
   """The total is state + step + the larger of a tick's working set and the update."""
-  from jaxpipe.pipeline import _cost  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import PHASES  # pylint: disable=g-import-not-at-top
   for schedule in PIPELINED:
     for stash in ("inputs", "residuals"):
       terms = small_plan.terms[schedule][stash]
       keys = [t.key for t in terms]
       assert len(keys) == len(set(keys)) and all(t.label and t.nbytes >= 0 for t in terms)
-      assert {t.phase for t in terms} <= set(_cost.PHASES)
-      by = {p: sum(t.nbytes for t in terms if t.phase == p) for p in _cost.PHASES}
+      assert {t.phase for t in terms} <= set(PHASES)
+      by = {p: sum(t.nbytes for t in terms if t.phase == p) for p in PHASES}
       assert small_plan.total(schedule, stash) == (by["state"] + by["step"]
                                                    + max(by["ticks"], by["update"]))
   # The residual stash keeps more per slot than the stage input: a check that can fail.

@@ -226,12 +226,12 @@ class Plan:
     """Bytes per device of a schedule (with the config's stash choice by default).
 
     The state, what lives through the step, and the larger of one tick's
-    working set and the update's temporaries (`_cost.memory_total`).
+    working set and the update's temporaries (`jaxpipe.pipeline.memory_total`).
     """
-    from jaxpipe.pipeline import _cost  # pylint: disable=g-import-not-at-top
+    from jaxpipe.pipeline import memory_total  # pylint: disable=g-import-not-at-top
     stash = stash or (self.cfg.pipeline.stash if schedule != "none" else "inputs")
     terms = self.terms[schedule].get(stash if schedule != "none" else "inputs")
-    return None if terms is None else _cost.memory_total(terms)
+    return None if terms is None else memory_total(terms)
 
   def balance(self, stash: Optional[str] = None) -> Optional[float]:
     """The slowest stage's work per tick over the mean stage's (1.0 is even)."""
@@ -244,21 +244,21 @@ class Plan:
 def _tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float]:
   """FLOPs of the busiest tick of every stage's own program (see `Plan.work`)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import _cost  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import flops as count_flops, stage_tick  # pylint: disable=g-import-not-at-top
   busy = [int((plan_obj.fwd[t] >= 0).sum() + (plan_obj.bwd[t] >= 0).sum())
           for t in range(plan_obj.num_ticks)]
   tick = int(np.argmax(busy))
   out = []
   for s in range(plan_obj.num_stages):
-    fn, args = _cost.stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=tick)
-    out.append(_cost.flops(fn, *args)["total"])
+    fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=tick)
+    out.append(count_flops(fn, *args)["total"])
   if not plan_obj.fwd[tick].min() >= 0 or not plan_obj.bwd[tick].min() >= 0:
     # gpipe's ticks hold a forward or a backward: add the backward tick's work.
     t_b = int(np.argmax([int((plan_obj.bwd[t] >= 0).sum()) for t in range(plan_obj.num_ticks)]))
     for s in range(plan_obj.num_stages):
-      fn, args = _cost.stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash,
+      fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash,
                                   tick=t_b)
-      out[s] += _cost.flops(fn, *args)["total"]
+      out[s] += count_flops(fn, *args)["total"]
   return out
 
 
@@ -304,9 +304,10 @@ def _make(parts: _Parts, name: str, stash: str):
 
 def _memory(parts: _Parts) -> tuple[dict, dict, int]:
   """(terms, checkpoint, stage_params): every schedule's memory terms per device, each
-  counted by the schedule itself (`_cost.memory_terms`) from the plan it executes."""
+  counted by the schedule itself (`jaxpipe.pipeline.memory_terms`) from the plan it
+  executes."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import _cost  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import memory_terms  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   terms: dict[str, dict[str, Optional[list]]] = {}
   checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = {}
@@ -322,7 +323,7 @@ def _memory(parts: _Parts) -> tuple[dict, dict, int]:
       state = jax.eval_shape(lambda p, sched=sched: sched.init(p, parts.batch_shape),
                              parts.params)
       checkpoint[name][stash] = (_bytes(sched.checkpointed(state)), _bytes(state))
-      terms[name][stash] = _cost.memory_terms(sched, parts.params, parts.batch_shape,
+      terms[name][stash] = memory_terms(sched, parts.params, parts.batch_shape,
                                               opt_parts=_split_opt_state)
       if name == "none":
         continue
@@ -337,8 +338,8 @@ def _work_and_traffic(parts: _Parts, work: bool) -> tuple[dict, dict, bool]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import step_plan  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import _vocab  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline._engine import Engine  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import pad_vocab, padded_vocab  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import Engine  # pylint: disable=g-import-not-at-top
   cfg, fns = parts.cfg, parts.fns
   s_, m = cfg.pipeline.stages, cfg.pipeline.microbatches
   vp = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
@@ -353,8 +354,8 @@ def _work_and_traffic(parts: _Parts, work: bool) -> tuple[dict, dict, bool]:
   # The stage functions as the schedule gives them to its engine.
   mode_fns = fns if vp else fns._replace(vocab_axes=jax.tree.map(
       lambda _: None, fns.vocab_axes, is_leaf=lambda a: a is None))
-  sh_mode = jax.eval_shape(lambda t: _vocab.pad_vocab(
-      t, fns.vocab_axes, _vocab.padded_vocab(cfg.model.vocab_size, s_)), shared) if vp else shared
+  sh_mode = jax.eval_shape(lambda t: pad_vocab(
+      t, fns.vocab_axes, padded_vocab(cfg.model.vocab_size, s_)), shared) if vp else shared
   engine = Engine(mode_fns, step_plan(name, s_, m, v), stash=cfg.pipeline.stash)
   traffic = engine.traffic(_bytes(jax.eval_shape(fns.embed, shared, tokens)),
                            tokens.shape[0] * cfg.data.seq_len)

@@ -22,6 +22,9 @@ _LAZY = {
     "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",
     "LAYOUTS": "_mesh", "axes_across_nodes": "_mesh",
+    "MemoryTerm": "_cost", "PHASES": "_cost", "memory_terms": "_cost", "memory_total": "_cost",
+    "stage_tick": "_cost", "flops": "_cost",
+    "pad_vocab": "_vocab", "padded_vocab": "_vocab",
 }
 
 __all__ = ["Cell", "Facts", "PIPELINED", "SCHEDULE_NAMES", "StepPlan", "TickKind", "Timetable",
