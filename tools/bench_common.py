@@ -22,6 +22,38 @@ from typing import Any, Optional
 from jaxpipe.pipeline import SCHEDULE_NAMES as SCHEDULES
 
 COUNT_FLAG = "--xla_force_host_platform_device_count"
+# What the benchmarks measure, by label: every schedule, interleaved as
+# "interleaved vN" with N chunks per device (v=2 and 4, the issue's shapes).
+LABELS = tuple(n for n in SCHEDULES if n != "interleaved") + ("interleaved v2", "interleaved v4")
+
+
+def parse_label(label: str) -> tuple[str, int]:
+  """(schedule, chunks per device) of a benchmark label (`LABELS`): 'interleaved v4' -> 4."""
+  name, _, chunks = label.partition(" v")
+  if name not in SCHEDULES or (chunks and (name != "interleaved" or not chunks.isdigit())):
+    raise ValueError(f"unknown schedule label {label!r}; choose from {', '.join(LABELS)}")
+  if name == "interleaved" and not chunks:
+    raise ValueError(f"{label!r}: say the chunks per device, e.g. 'interleaved v2'")
+  return name, int(chunks or 1)
+
+
+def refusal(label: str, num_stages: int, num_microbatches: int,
+            layers: Optional[int] = None) -> Optional[str]:
+  """Why `label` cannot run at this S and M (and block count, if given): one line, or None."""
+  from jaxpipe.pipeline import check_virtual_stages, min_microbatches  # pylint: disable=g-import-not-at-top
+  name, v = parse_label(label)
+  if name == "none":
+    return None
+  if num_microbatches < min_microbatches(name, num_stages):
+    return f"needs M >= {min_microbatches(name, num_stages)}"
+  if layers is not None and layers % (num_stages * v):
+    return f"needs the {layers} blocks in S x v = {num_stages * v} chunks"
+  if v > 1:
+    try:
+      check_virtual_stages(name, num_stages, num_microbatches, v)
+    except ValueError as e:
+      return str(e)
+  return None
 
 
 def emulate_devices(count: int) -> None:
@@ -57,8 +89,12 @@ class ModelShape:
 
 def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int,
                 data: int = 1) -> Any:
-  """A validated `jaxpipe.config.Config` for one benchmark point (D=`data` replicas)."""
+  """A validated `jaxpipe.config.Config` for one benchmark point (D=`data` replicas).
+
+  `schedule` is a label (`LABELS`): 'interleaved v2' sets pipeline.virtual_stages.
+  """
   from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
+  schedule, chunks = parse_label(schedule)
   tree = {
       "run": {"dir": "runs/bench", "steps": 1000, "progress": False},
       "data": {"batch_size": num_microbatches * shape.micro_rows * data,
@@ -68,7 +104,7 @@ def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatc
       "mesh": {"data": data},
       "pipeline": {"schedule": schedule, "stages": 1 if schedule == "none" else num_stages,
                    "microbatches": num_microbatches, "stash": shape.stash,
-                   "head": shape.head},
+                   "head": shape.head, "virtual_stages": chunks},
       "optimizer": {"name": "adamw", "lr": 1e-3, "schedule": "constant"},
   }
   cfg = config_lib.from_dict(tree)
@@ -139,8 +175,9 @@ class Runner(_Timed):
     cfg = make_config(shape, schedule, num_stages, num_microbatches, data)  # validates the shape
     model, fns, optimizer = model_parts(shape, seed)
     mesh = make_mesh(cfg.pipeline.stages, data)
-    self.schedule = make_schedule(schedule, fns, optimizer, mesh, num_microbatches,
+    self.schedule = make_schedule(cfg.pipeline.schedule, fns, optimizer, mesh, num_microbatches,
                                   stash=shape.stash,
+                                  virtual_stages=cfg.pipeline.virtual_stages,
                                   vocab_parallel=config_lib.vocab_parallel(cfg.model,
                                                                            cfg.pipeline))
     batch_shape = (num_microbatches, shape.micro_rows * data, shape.seq_len)

@@ -60,8 +60,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from bench_common import (SCHEDULES, ModelShape, Runner, emulate_devices, memory_row,
-                          write)
+from bench_common import (LABELS, SCHEDULES, ModelShape, Runner, emulate_devices, memory_row,
+                          parse_label, refusal, write)
 from bench_report import (compile_table, draw_sweep, load, machine, memory_table, step_table,
                           sweep_table, target_table)
 from jaxpipe.cli import Parser
@@ -89,10 +89,11 @@ def bubble(schedule: str, num_stages: int, num_microbatches: int) -> Optional[fl
   forward costs 1, a backward 2; 2bw's fill step is not steady state); 0 for
   `none`, None where the schedule refuses the shape.
   """
-  from jaxpipe.pipeline import facts, min_microbatches  # pylint: disable=g-import-not-at-top
-  if num_microbatches < min_microbatches(schedule, num_stages):
+  from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
+  if refusal(schedule, num_stages, num_microbatches):
     return None
-  return facts(schedule, num_stages, num_microbatches).bubble
+  name, v = parse_label(schedule)
+  return facts(name, num_stages, num_microbatches, v).bubble
 
 
 def ticks(schedule: str, num_stages: int, num_microbatches: int) -> float:
@@ -104,25 +105,26 @@ def ticks(schedule: str, num_stages: int, num_microbatches: int) -> float:
   microbatches of the whole model (S stages' work) on one device: M*S.
   NaN where the schedule refuses the shape (the tables print it as such).
   """
-  from jaxpipe.pipeline import facts, min_microbatches  # pylint: disable=g-import-not-at-top
-  if num_microbatches < min_microbatches(schedule, num_stages):
+  from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
+  if refusal(schedule, num_stages, num_microbatches):
     return float("nan")
-  return facts(schedule, num_stages, num_microbatches).step_cost / 3
+  name, v = parse_label(schedule)
+  return facts(name, num_stages, num_microbatches, v).step_cost / 3
 
 
 def measure(shape: ModelShape, num_stages: int, num_microbatches: int, *, warmup: int,
-            repeats: int, schedules: Sequence[str] = SCHEDULES,
+            repeats: int, schedules: Sequence[str] = LABELS,
             log=print) -> list[dict[str, Any]]:
-  """Compiles every schedule, then times them in round-robin; one dict per schedule."""
-  from jaxpipe.pipeline import min_microbatches  # pylint: disable=g-import-not-at-top
+  """Compiles every schedule (`LABELS`), then times them in round-robin; one dict per schedule."""
   runners, rows = [], []
   for name in schedules:
     row: dict[str, Any] = {"schedule": name, "stages": num_stages, "microbatches": num_microbatches,
                            "ticks": ticks(name, num_stages, num_microbatches),
                            "bubble": bubble(name, num_stages, num_microbatches)}
     rows.append(row)
-    if name != "none" and num_microbatches < min_microbatches(name, num_stages):
-      row["skipped"] = f"needs M >= {min_microbatches(name, num_stages)}"
+    why = refusal(name, num_stages, num_microbatches, shape.layers)
+    if why:
+      row["skipped"] = why
       continue
     r = Runner(shape, name, num_stages, num_microbatches)
     row.update(compile_s=r.compile_s, compile_cpu_s=r.compile_cpu_s, lower_s=r.lower_s,
@@ -213,6 +215,11 @@ def _names(text: str) -> list[str]:
   return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _labels(args) -> list[str]:
+  """The schedules to measure: --schedules, with none and 2bw (the report compares to them)."""
+  return list(dict.fromkeys(["none", "2bw", *args.schedules]))
+
+
 def _check(args, shape: ModelShape) -> None:
   """Raises ValueError (one line) for settings the engine would refuse."""
   stages = SWEEP_STAGES if args.sweep else (2,) if args.two_core else (args.stages,)
@@ -223,6 +230,8 @@ def _check(args, shape: ModelShape) -> None:
       raise ValueError(f"--layers={shape.layers} is not divisible by {s_} stages")
   if args.microbatches < 1:
     raise ValueError(f"--microbatches must be >= 1, got {args.microbatches}")
+  for label in args.schedules:
+    parse_label(label)   # raises ValueError naming the labels
   if args.two_core:
     cores = args.cores.split(",")
     if len(cores) != 2 or not all(c.strip().isdigit() for c in cores) or cores[0] == cores[1]:
@@ -307,6 +316,9 @@ def _parser() -> Parser:
                       help="two-core: vocabularies to measure (default 257,50257)")
   parser.add_argument("--pairs", type=int, default=20,
                       help="two-core: timed rounds, one step of every process each (default 20)")
+  parser.add_argument("--schedules", type=_names, default=list(LABELS),
+                      help="schedules to measure, comma-separated (default all: "
+                           f"{','.join(LABELS)}); none and 2bw are always measured")
   parser.add_argument("--processes", type=_names, default=["2bw", "1f1b"],
                       help="two-core: schedules to also run as two jax.distributed processes, "
                            "a stage each ('' for none; default 2bw,1f1b)")
@@ -325,12 +337,13 @@ def _sections(args, shape: ModelShape, log) -> tuple[list[tuple[str, str]], list
     rows = []
     for s_ in SWEEP_STAGES:
       for m in SWEEP_MICROBATCHES:
-        rows += measure(shape, s_, m, warmup=args.warmup, repeats=args.repeats, log=log)
+        rows += measure(shape, s_, m, warmup=args.warmup, repeats=args.repeats,
+                        schedules=_labels(args), log=log)
     sections.append(("Sweep: step time per schedule (global batch = M x "
                      f"{shape.micro_rows} sequences)", sweep_table(rows)))
     return sections, rows, compile_rows
   rows = measure(shape, args.stages, args.microbatches, warmup=args.warmup,
-                 repeats=args.repeats, log=log)
+                 repeats=args.repeats, schedules=_labels(args), log=log)
   if not args.no_compile_sweep and args.compile_m:
     done = next(r for r in rows if r["schedule"] == "2bw")
     compile_rows = compile_vs_m(shape, args.stages, args.compile_m, done=done, log=log)

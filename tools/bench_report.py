@@ -9,7 +9,6 @@ import os
 import platform
 from typing import Any, Optional, Sequence
 
-from jaxpipe.pipeline import SCHEDULE_NAMES as SCHEDULES
 
 def _table(columns: Sequence[str], align: str, lines: Sequence[str]) -> str:
   """A markdown table: a header of `columns`, each aligned by `align` ('l' or 'r'), then `lines`."""
@@ -191,10 +190,13 @@ def draw_sweep(rows: list[dict[str, Any]], out: str, title: str) -> str:
   ms = sorted({r["microbatches"] for r in rows})
   fig, axes = plt.subplots(len(stages), 3, figsize=(15, 3.8 * len(stages)), squeeze=False)
   for i, s_ in enumerate(stages):
-    for name in SCHEDULES:
+    for name in dict.fromkeys(r["schedule"] for r in rows):
       pts = [r for r in rows if r["stages"] == s_ and r["schedule"] == name]
       timed = [r for r in pts if "step_s" in r]
-      style = dict(color=COLORS[name], label=name, **STYLES[name])
+      base = name.split()[0]   # 'interleaved v4' is drawn in interleaved's colour
+      style = dict(color=COLORS[base], label=name, **STYLES[base])
+      if name.endswith(" v4"):
+        style["linestyle"] = ":"
       x = [r["microbatches"] for r in timed]
       if timed:
         axes[i, 0].errorbar(x, [r["step_s"] for r in timed], capsize=2,

@@ -11,9 +11,11 @@ Nothing runs and, without --compile, nothing compiles: every shape comes from
 `init` (the same pytrees that training and checkpoints hold), placed with the
 schedule's own shardings, so the numbers are the bytes that one device holds.
 What lives only inside a step (gradient sums, the flushed schedules' stash,
-the ticks' working sets) is estimated from shapes of the model's stage
-functions (`jax.eval_shape` of `jax.vjp`); docs/benchmark.md compares the
-estimate with XLA's analysis of the compiled step.
+the step's embedding, one tick's working set, the update) is counted by each
+schedule itself, as named terms, from the plan it executes and the shapes of
+the model's stage functions (`jaxpipe.pipeline.memory_terms`);
+docs/accelerators.md and docs/benchmark.md compare the total with XLA's
+analysis of the compiled step (`--compile` prints both and the difference).
 
 For the config's S stages, D data replicas and M microbatches it prints a
 table with a column per schedule and stash choice (`none` is the whole model
@@ -49,7 +51,8 @@ SCHEDULES, STASHES = SCHEDULE_NAMES, STASH_MODES
 # another one (whose pipeline.virtual_stages is 1).
 VIRTUAL_STAGES = 2
 
-# Rows of the table, in order: (key, label).
+# Rows of the table, in order: (key of a `MemoryTerm`, label), grouped by when
+# they are alive (`jaxpipe.pipeline.PHASES`).
 ROWS = (
     ("weights", "weights (x versions)"),
     ("opt", "optimizer state"),
@@ -59,9 +62,15 @@ ROWS = (
     ("batch", "token batches"),
     ("grads", "gradient accumulators (f32)"),
     ("stash", "stash ring (inside the step)"),
-    ("ticks", "tick working sets"),
+    ("embed", "step embedding (x0, cotangents)"),
+    ("copies", "weight copies (compute dtype, versions)"),
+    ("head", "tick: head logits (f32 x2), out grad"),
+    ("read", "tick: stash read or recompute"),
+    ("widened", "tick: f32 copy of a bf16 read"),
+    ("wgrad", "tick: weight grad (+ f32 cast), activations"),
+    ("chunk", "tick: a chunk's weights (v > 1)"),
+    ("loops", "tick: other loops' working sets"),
     ("update", "reduced grads + update"),
-    ("copies", "version copies"),
 )
 
 
@@ -168,8 +177,9 @@ class Plan:
     stage_params: parameters one pipeline device holds per weight version
       (its L/S blocks with 1/D of their experts under expert parallelism,
       its 1/S of the (padded) vocabulary rows and columns, the final norm).
-    bytes: {schedule: {stash: {row key: bytes per device}}}; the inner dict
-      is None where the schedule refuses the config (2bw with M < 2(S-1)).
+    terms: {schedule: {stash: [MemoryTerm, ...]}}: the named terms of the
+      schedule's memory per device (`jaxpipe.pipeline.memory_terms`);
+      None where the schedule refuses the config (2bw with M < 2(S-1)).
       `none` has one stash entry, 'inputs' (it has no stages).
     work: {stash: [FLOPs of one steady-state tick (a forward and a backward
       of one microbatch) of stage s, s = 0..S-1]}, counted from the stage's
@@ -191,7 +201,7 @@ class Plan:
   cfg: config_lib.Config
   num_params: int
   stage_params: int
-  bytes: dict[str, dict[str, Optional[dict[str, int]]]]
+  terms: dict[str, dict[str, Optional[list]]]
   work: dict[str, list[float]]
   bubble: dict[str, Optional[float]]
   warnings: list[str]
@@ -201,18 +211,27 @@ class Plan:
       default_factory=dict)
   facts: Optional[dict[str, Any]] = None
 
+  @property
+  def bytes(self) -> dict[str, dict[str, Optional[dict[str, int]]]]:
+    """{schedule: {stash: {term key: bytes per device, 'ticks': the tick terms' sum}}}."""
+    def row(terms):
+      if terms is None:
+        return None
+      out = {t.key: t.nbytes for t in terms}
+      out["ticks"] = sum(t.nbytes for t in terms if t.phase == "ticks")
+      return out
+    return {n: {st: row(ts) for st, ts in by.items()} for n, by in self.terms.items()}
+
   def total(self, schedule: str, stash: Optional[str] = None) -> Optional[int]:
     """Bytes per device of a schedule (with the config's stash choice by default).
 
-    The ticks' working sets and the update's temporaries are not alive at
-    the same time: the larger of the two counts.
+    The state, what lives through the step, and the larger of one tick's
+    working set and the update's temporaries (`jaxpipe.pipeline.memory_total`).
     """
+    from jaxpipe.pipeline import memory_total  # pylint: disable=g-import-not-at-top
     stash = stash or (self.cfg.pipeline.stash if schedule != "none" else "inputs")
-    row = self.bytes[schedule].get(stash if schedule != "none" else "inputs")
-    if row is None:
-      return None
-    return sum(v for k, v in row.items() if k not in ("ticks", "update")) + max(
-        row["ticks"], row["update"])
+    terms = self.terms[schedule].get(stash if schedule != "none" else "inputs")
+    return None if terms is None else memory_total(terms)
 
   def balance(self, stash: Optional[str] = None) -> Optional[float]:
     """The slowest stage's work per tick over the mean stage's (1.0 is even)."""
@@ -225,7 +244,7 @@ class Plan:
 def _tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float]:
   """FLOPs of the busiest tick of every stage's own program (see `Plan.work`)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import flops as program_flops, stage_tick  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import flops as count_flops, stage_tick  # pylint: disable=g-import-not-at-top
   if plan_obj.split_backward:
     return _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash)
   busy = [int((plan_obj.fwd[t] >= 0).sum() + (plan_obj.bwd[t] >= 0).sum())
@@ -234,14 +253,26 @@ def _tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float
   out = []
   for s in range(plan_obj.num_stages):
     fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=tick)
-    out.append(program_flops(fn, *args)["total"])
+    out.append(count_flops(fn, *args)["total"])
   if not plan_obj.fwd[tick].min() >= 0 or not plan_obj.bwd[tick].min() >= 0:
     # gpipe's ticks hold a forward or a backward: add the backward tick's work.
     t_b = int(np.argmax([int((plan_obj.bwd[t] >= 0).sum()) for t in range(plan_obj.num_ticks)]))
     for s in range(plan_obj.num_stages):
-      fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=t_b)
-      out[s] += program_flops(fn, *args)["total"]
+      fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash,
+                                  tick=t_b)
+      out[s] += count_flops(fn, *args)["total"]
   return out
+
+
+@dataclasses.dataclass
+class _Parts:
+  """What every part of a plan reads: the resolved config and the model's abstract pieces."""
+  cfg: config_lib.Config
+  fns: Any
+  optimizer: Any
+  params: Any
+  batch_shape: tuple[int, int, int]
+
 
 
 def _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float]:
@@ -253,7 +284,7 @@ def _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list
   same) counts each phase once, the head included, as 1f1b's steady tick does.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import flops as program_flops, stage_tick  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import flops as count_flops, stage_tick  # pylint: disable=g-import-not-at-top
   cells = np.zeros((1, plan_obj.num_stages), np.int32)
   rows = np.zeros((1,), np.int32)
   every = dataclasses.replace(
@@ -265,7 +296,134 @@ def _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list
   out = []
   for s in range(plan_obj.num_stages):
     fn, args = stage_tick(fns, every, s, blocks, shared, tokens, stash=stash, tick=0)
-    out.append(program_flops(fn, *args)["total"])
+    out.append(count_flops(fn, *args)["total"])
+  return out
+
+def _parts(cfg: config_lib.Config) -> _Parts:
+  """The model, optimizer and abstract parameters exactly as `trainer.make_run` makes them."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+  cfg = resolve_vocab(cfg)
+  s_, d_ = cfg.pipeline.stages, cfg.mesh.data
+  if s_ * d_ > jax.device_count():
+    raise ConfigError(f"planning pipeline.stages x mesh.data = {s_} x {d_} needs {s_ * d_} "
+                      f"devices for the shardings but JAX has {jax.device_count()}; run the "
+                      "planner in a fresh process (it emulates them)")
+  model, fns, optimizer = trainer.components(cfg)
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  m = cfg.pipeline.microbatches
+  return _Parts(cfg, fns, optimizer, params, (m, cfg.data.batch_size // m, cfg.data.seq_len))
+
+
+def _make(parts: _Parts, name: str, stash: str):
+  """The schedule `name` as training builds it (`none` on one stage)."""
+  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  cfg = parts.cfg
+  num = cfg.pipeline.stages if name != "none" else 1
+  return make_schedule(name, parts.fns, parts.optimizer, make_mesh(num, cfg.mesh.data),
+                       cfg.pipeline.microbatches, stash=stash,
+                       virtual_stages=virtual_stages(cfg, name),
+                       shard_optimizer=cfg.mesh.shard_optimizer,
+                       expert_parallel=cfg.mesh.expert_parallel,
+                       vocab_parallel=config_lib.vocab_parallel(
+                           cfg.model, dataclasses.replace(cfg.pipeline, stages=num)))
+
+
+def _memory(parts: _Parts) -> tuple[dict, dict, int]:
+  """(terms, checkpoint, stage_params): every schedule's memory terms per device, each
+  counted by the schedule itself (`jaxpipe.pipeline.memory_terms`) from the plan it
+  executes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import memory_terms  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  terms: dict[str, dict[str, Optional[list]]] = {}
+  checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = {}
+  stage_params = 0
+  for name in SCHEDULES:
+    stashes = STASHES if name != "none" else ("inputs",)
+    terms[name] = {st: None for st in stashes}
+    checkpoint[name] = {st: None for st in stashes}
+    if _refuses(parts.cfg, name):
+      continue
+    for stash in stashes:
+      sched = _make(parts, name, stash)
+      state = jax.eval_shape(lambda p, sched=sched: sched.init(p, parts.batch_shape),
+                             parts.params)
+      checkpoint[name][stash] = (_bytes(sched.checkpointed(state)), _bytes(state))
+      terms[name][stash] = memory_terms(sched, parts.params, parts.batch_shape,
+                                              opt_parts=_split_opt_state)
+      if name == "none":
+        continue
+      padded = jax.eval_shape(sched.pad, parts.params)
+      stage_params = sum(int(np.prod(s.shard_shape(x.shape))) for x, s in zip(
+          jax.tree.leaves(padded), jax.tree.leaves(sched.param_shardings(padded))))
+  return terms, checkpoint, stage_params
+
+
+def _work_and_traffic(parts: _Parts, work: bool) -> tuple[dict, dict, bool]:
+  """(work per stage by stash, traffic per tick, vocab_parallel) of the config's schedule."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import step_plan  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import pad_vocab, padded_vocab  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import Engine  # pylint: disable=g-import-not-at-top
+  cfg, fns = parts.cfg, parts.fns
+  s_, m = cfg.pipeline.stages, cfg.pipeline.microbatches
+  vp = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
+  if not (s_ > 1 and not _refuses(cfg, cfg.pipeline.schedule)):
+    return {}, {}, vp
+  name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
+  v = virtual_stages(cfg, name)
+  blocks = parts.params["blocks"]
+  shared = {k: v for k, v in parts.params.items() if k != "blocks"}
+  tokens = jax.ShapeDtypeStruct((parts.batch_shape[1] // cfg.mesh.data, cfg.data.seq_len),
+                                jnp.int32)
+  # The stage functions as the schedule gives them to its engine.
+  mode_fns = fns if vp else fns._replace(vocab_axes=jax.tree.map(
+      lambda _: None, fns.vocab_axes, is_leaf=lambda a: a is None))
+  sh_mode = jax.eval_shape(lambda t: pad_vocab(
+      t, fns.vocab_axes, padded_vocab(cfg.model.vocab_size, s_)), shared) if vp else shared
+  engine = Engine(mode_fns, step_plan(name, s_, m, v), stash=cfg.pipeline.stash)
+  traffic = engine.traffic(_bytes(jax.eval_shape(fns.embed, shared, tokens)),
+                           tokens.shape[0] * cfg.data.seq_len)
+  work_per_stage = {stash: _tick_costs(mode_fns, step_plan(name, s_, m, v), blocks, sh_mode,
+                                       tokens, stash) for stash in STASHES} if work else {}
+  return work_per_stage, traffic, vp
+
+
+def _warnings(p: Plan, device_gib: float, max_bubble: float) -> list[str]:
+  """What the user should change before launching, one line each."""
+  from jaxpipe.pipeline import min_microbatches  # pylint: disable=g-import-not-at-top
+  cfg = p.cfg
+  s_, m = cfg.pipeline.stages, cfg.pipeline.microbatches
+  out = []
+  need = min_microbatches("2bw", s_)
+  if m < need:
+    out.append(f"2bw needs pipeline.microbatches >= 2(S-1) = {need} for S={s_} stages "
+               f"(got M={m}); raise M to use it")
+  for name in ("gpipe", "1f1b", "pipedream", "interleaved"):
+    b = p.bubble[name]
+    if not (s_ > 1 and b is not None and b > max_bubble):
+      continue
+    # bubble = (S-1) / (vM + S-1) <= x  <=>  M >= (S-1)(1-x) / (x v), v = 1 but for
+    # interleaved, whose M is also a multiple of S.
+    v = virtual_stages(cfg, name)
+    m_ok = -(-int(round((s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * v * 1000)))
+    if name == "interleaved":
+      m_ok = -(-m_ok // s_) * s_
+    what = f"{name} (v={v})" if name == "interleaved" else name
+    out.append(f"{what} idles {b:.0%} of every step at S={s_}, M={m} (above "
+               f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
+  for name in SCHEDULES:
+    total = p.total(name)
+    if total is not None and total > device_gib * 2 ** 30:
+      mark = " (the config's schedule)" if name == cfg.pipeline.schedule else ""
+      stash = f", stash {cfg.pipeline.stash}" if name != "none" else ""
+      out.append(f"{name}{mark} needs {total / 2 ** 30:.1f} GiB per device{stash}, more "
+                 f"than --device-gib {device_gib:g}")
+  balance = p.balance()
+  if balance is not None and balance > 1.1:
+    out.append(f"the slowest stage does {balance:.2f}x the mean stage's work per tick")
   return out
 
 
@@ -275,213 +433,27 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
 
   The model, optimizer, mesh and schedules are built exactly as
   `jaxpipe.trainer.make_run` builds them, without opening the token data;
-  every shape comes from `jax.eval_shape`. The memory model, and how it
-  compares with XLA's analysis of the compiled step, is in docs/benchmark.md.
+  every shape comes from `jax.eval_shape`. Each schedule counts its own
+  memory terms (`jaxpipe.pipeline.memory_terms`); docs/accelerators.md
+  compares their total with XLA's analysis of the compiled step.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import make_mesh, make_schedule, min_microbatches, step_plan  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import Engine, pad_vocab, padded_vocab, residual_shapes  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import SplitStage  # pylint: disable=g-import-not-at-top
-
-  cfg = resolve_vocab(cfg)
-  s_, d_, m = cfg.pipeline.stages, cfg.mesh.data, cfg.pipeline.microbatches
-  if s_ * d_ > jax.device_count():
-    raise ConfigError(f"planning pipeline.stages x mesh.data = {s_} x {d_} needs {s_ * d_} "
-                      f"devices for the shardings but JAX has {jax.device_count()}; run the "
-                      "planner in a fresh process (it emulates them)")
-  model, fns, optimizer = trainer.components(cfg)
-  params = jax.eval_shape(model.init, jax.random.key(0))
-  batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
-  rows = batch_shape[1] // d_  # sequences of one microbatch on one device
-  num_params = sum(int(x.size) for x in jax.tree.leaves(params))
-  blocks, shared = params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
-  vocab_axes = jax.tree.leaves(fns.vocab_axes, is_leaf=lambda a: a is None)
-  tokens = jax.ShapeDtypeStruct((rows, cfg.data.seq_len), jnp.int32)
-
-  expert_axes = jax.tree.leaves(fns.expert_axes(blocks), is_leaf=lambda a: a is None)
-
-  def stage_shapes(num_stages: int):
-    """Per-device shapes: L/S blocks, the (padded) vocabulary over S (experts whole)."""
-    vocab = padded_vocab(cfg.model.vocab_size, num_stages)
-    sh = jax.eval_shape(lambda t: pad_vocab(t, fns.vocab_axes, vocab), shared)
-    local = jax.tree.map(
-        lambda x, a: x if a is None else jax.ShapeDtypeStruct(
-            x.shape[:a] + (x.shape[a] // num_stages,) + x.shape[a + 1:], x.dtype),
-        sh, fns.vocab_axes, is_leaf=lambda a: a is None)
-    blk = jax.tree.map(lambda v: jax.ShapeDtypeStruct((v.shape[0] // num_stages,) + v.shape[1:],
-                                                      v.dtype), blocks)
-    return blk, local, sh, vocab
-
-  f32 = lambda tree: sum(int(x.size) * 4 for x in jax.tree.leaves(tree))
-
-  out: dict[str, dict[str, Optional[dict[str, int]]]] = {}
-  checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = {}
-  bubble: dict[str, Optional[float]] = {}
-  warnings: list[str] = []
-  stage_params = 0
-  for name in SCHEDULES:
-    pipelined = name != "none"
-    v = virtual_stages(cfg, name)
-    refused = _refuses(cfg, name)
-    bubble[name] = None if refused else steady_bubble(name, s_, m, v)
-    out[name], checkpoint[name] = {}, {}
-    stashes = STASHES if pipelined else ("inputs",)
-    if refused:
-      out[name] = checkpoint[name] = {st: None for st in stashes}
-      continue
-    num = s_ if pipelined else 1
-    whole, local, _, _ = stage_shapes(num)
-    # With expert parallelism a device holds E/D of each block's experts but
-    # routes as many token slots through them as it would through all E, so
-    # its activations and residuals are those of the whole-expert stage.
-    split = config_lib.experts_split(name, d_, cfg.model.moe.num_experts,
-                                     cfg.mesh.expert_parallel)
-    blk = jax.tree.unflatten(jax.tree.structure(whole), [
-        x if a is None or not split else jax.ShapeDtypeStruct(
-            x.shape[:a] + (x.shape[a] // d_,) + x.shape[a + 1:], x.dtype)
-        for x, a in zip(jax.tree.leaves(whole), expert_axes)])
-    x_like = jax.eval_shape(fns.embed, local, tokens)
-    act = _bytes(x_like)
-    one_version = f32(blk) + f32(local)         # a float32 copy of one version's shard
-    if pipelined:
-      stage_params = sum(int(x.size) for x in jax.tree.leaves((blk, local)))
-    prepared = jax.eval_shape(fns.prepare, whole)
-    # Interleaved's stash slot and backward hold one chunk: 1/v of the stage.
-    prepared = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // v,) + x.shape[1:],
-                                                           x.dtype), prepared)
-    recompute = _bytes(residual_shapes(fns.stage, prepared, x_like))
-    # The head's working set: float32 logits of this device's vocabulary
-    # slice, their exponentials and their gradient, for the tokens the head
-    # computes at once (a microbatch, or `model.loss_chunk` of them), and the
-    # output layer's weight gradient (the embedding's is a scatter into its
-    # accumulator).
-    vocab_local = max([x.shape[a] for x, a in zip(jax.tree.leaves(local), vocab_axes)
-                       if a is not None] or [cfg.model.vocab_size])
-    head_tokens = rows * cfg.data.seq_len
-    if cfg.model.loss_chunk:
-      head_tokens = min(head_tokens, cfg.model.loss_chunk)
-    head = 3 * head_tokens * vocab_local * 4 + max(
-        [int(x.size) * 4 for x, a in zip(jax.tree.leaves(local), vocab_axes) if a is not None]
-        or [0])
-    for stash in stashes:
-      mesh = make_mesh(num, d_)
-      sched = make_schedule(name, fns, optimizer, mesh, m, stash=stash, virtual_stages=v,
-                            shard_optimizer=cfg.mesh.shard_optimizer,
-                            expert_parallel=cfg.mesh.expert_parallel,
-                            vocab_parallel=config_lib.vocab_parallel(
-                                cfg.model, dataclasses.replace(cfg.pipeline, stages=num)))
-      state = jax.eval_shape(lambda p, sched=sched: sched.init(p, batch_shape), params)
-      nbytes = _device_bytes(state, sched.state_shardings(state))
-      checkpoint[name][stash] = (_bytes(sched.checkpointed(state)), _bytes(state))
-      row = {k: 0 for k, _ in ROWS}
-      for field in type(state).KINDS:
-        value = sum(jax.tree.leaves(getattr(nbytes, field)))
-        kind = type(state).KINDS[field]
-        if kind in ("params", "versions"):
-          row["weights"] += value
-        elif kind == "opt":
-          row.update(_split_opt_state(getattr(nbytes, field)))
-        elif kind == "inflight":
-          row["inflight"] += value
-      row["batch"] = 2 * _bytes(jax.ShapeDtypeStruct(batch_shape, jnp.int32)) // d_
-      # Inside the step. Gradients are summed in float32, one accumulator
-      # per batch in flight (2bw carries batch k-1's in its state).
-      row["grads"] = one_version
-      entry = (recompute if stash == "residuals" else act) + 4
-      if pipelined:
-        p = step_plan(name, s_, m, v)
-        slots = sched.engine.num_slots
-        if name != "2bw":
-          row["stash"] = slots * (entry + (act if p.head_stash else 0))
-        if p.split_backward:
-          # zb1's second ring (and its scratch slot): what B keeps for W, per
-          # weight use its input and its output cotangent (`SplitStage`).
-          w_entry = SplitStage(fns.stage).w_stash_shapes(prepared, x_like)[1]
-          row["stash"] += (p.w_slots + 1) * _bytes(w_entry)
-        # The step runs a loop per run of ticks of one kind. Measured against
-        # XLA's buffer assignment (docs/benchmark.md): forward-only loops have
-        # a working set of their own; loops with a backward share one when it
-        # reads residuals, and each keep their own when it recomputes.
-        classes: dict[Any, int] = {}
-        for kind, _, _ in p.segments():
-          # The forward's stash entry is written before the backward starts:
-          # a tick's working set is the larger of the two, plus the head's.
-          fwd_ws = entry + 2 * act if kind.fwd else 0
-          # (a chunk's weight gradient and its copy of the chunk's weights with v > 1)
-          bwd_ws = ((entry if stash == "residuals" else recompute + act) + f32(blk) // v
-                    + (_bytes(blk) // v if v > 1 else 0) + 2 * act if kind.bwd else 0)
-          ws = max(fwd_ws, bwd_ws) + (head if kind.head_version is not None else 0)
-          key = kind.bwd if stash == "residuals" or not kind.bwd else (kind.fwd, kind.bwd)
-          classes[key] = max(classes.get(key, 0), ws)
-        row["ticks"] = sum(classes.values())
-        if name == "pipedream":   # the stage's own version and the shared ones, picked
-          row["copies"] = _bytes(blk) + 2 * _bytes(local)
-        if name == "2bw":         # v[k]'s blocks become `prev` as v[k+1] is written
-          row["copies"] = _bytes(blk)
-      else:
-        row["ticks"] = recompute + f32(blk) + head + 2 * act
-      # The optimizer's update of the summed gradient (the new moments and
-      # weights are written over the donated ones).
-      row["update"] = one_version
-      out[name][stash] = row
-
-  work_per_stage: dict[str, list[float]] = {}
-  traffic: dict[str, float] = {}
-  vp = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
-  if s_ > 1 and not _refuses(cfg, cfg.pipeline.schedule):
-    name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
-    v = virtual_stages(cfg, name)
-    # The stage functions as the schedule gives them to its engine.
-    mode_fns = fns if vp else fns._replace(vocab_axes=jax.tree.map(
-        lambda _: None, fns.vocab_axes, is_leaf=lambda a: a is None))
-    sh_mode = stage_shapes(s_)[2] if vp else shared
-    engine = Engine(mode_fns, step_plan(name, s_, m, v), stash=cfg.pipeline.stash)
-    traffic = engine.traffic(_bytes(jax.eval_shape(fns.embed, shared, tokens)),
-                             rows * cfg.data.seq_len)
-    if work:
-      for stash in STASHES:
-        work_per_stage[stash] = _tick_costs(mode_fns, step_plan(name, s_, m, v), blocks,
-                                            sh_mode, tokens, stash)
-
-  # Warnings: what the user should change before launching.
-  need = min_microbatches("2bw", s_)
-  if m < need:
-    warnings.append(f"2bw needs pipeline.microbatches >= 2(S-1) = {need} for S={s_} stages "
-                    f"(got M={m}); raise M to use it")
-  for name in ("gpipe", "1f1b", "pipedream", "interleaved"):
-    b = bubble[name]
-    if s_ > 1 and b is not None and b > max_bubble and name != "interleaved":
-      # bubble = (S-1) / (M + S-1) <= x  <=>  M >= (S-1)(1-x)/x
-      m_ok = -(-int(round((s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * 1000)))
-      warnings.append(f"{name} idles {b:.0%} of every step at S={s_}, M={m} (above "
-                      f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
-    elif s_ > 1 and b is not None and b > max_bubble:
-      # (S-1) / (vM + S-1) <= x  <=>  M >= (S-1)(1-x) / (x v), a multiple of S
-      v = virtual_stages(cfg, name)
-      m_ok = -(-int(round((s_ - 1) * (1 - max_bubble) * 1000)) // int(round(max_bubble * v * 1000)))
-      m_ok = -(-m_ok // s_) * s_
-      warnings.append(f"{name} (v={v}) idles {b:.0%} of every step at S={s_}, M={m} (above "
-                      f"{max_bubble:.0%}); M >= {m_ok} brings it to {max_bubble:.0%} or less")
-  limit = device_gib * 2 ** 30
+  parts = _parts(cfg)
+  terms, checkpoint, stage_params = _memory(parts)
+  work_per_stage, traffic, vp = _work_and_traffic(parts, work)
+  cfg = parts.cfg
+  s_, m = cfg.pipeline.stages, cfg.pipeline.microbatches
+  bubble = {name: None if _refuses(cfg, name) else
+            steady_bubble(name, s_, m, virtual_stages(cfg, name)) for name in SCHEDULES}
   own = None
   if not _refuses(cfg, cfg.pipeline.schedule):
     from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
     own = dataclasses.asdict(facts(cfg.pipeline.schedule, s_, m,
                                    virtual_stages(cfg, cfg.pipeline.schedule)))
-  result = Plan(cfg, num_params, int(stage_params), out, work_per_stage, bubble, warnings,
+  num_params = sum(int(x.size) for x in jax.tree.leaves(parts.params))
+  result = Plan(cfg, num_params, int(stage_params), terms, work_per_stage, bubble, [],
                 traffic, vp, checkpoint, own)
-  for name in SCHEDULES:
-    total = result.total(name)
-    if total is not None and total > limit:
-      mark = " (the config's schedule)" if name == cfg.pipeline.schedule else ""
-      stash = f", stash {cfg.pipeline.stash}" if name != "none" else ""
-      warnings.append(f"{name}{mark} needs {total / 2 ** 30:.1f} GiB per device{stash}, more "
-                      f"than --device-gib {device_gib:g}")
-  balance = result.balance()
-  if balance is not None and balance > 1.1:
-    warnings.append(f"the slowest stage does {balance:.2f}x the mean stage's work per tick")
+  result.warnings = _warnings(result, device_gib, max_bubble)
   return result
 
 
@@ -564,8 +536,8 @@ def format_plan(p: Plan, device_gib: float) -> str:
                            for n, st in cols]
   table = [head]
   for key, label in ROWS:
-    table.append([label] + [human(p.bytes[n][st][key]) if p.bytes[n][st] is not None else "-"
-                            for n, st in cols])
+    table.append([label] + [human(p.bytes[n][st].get(key, 0)) if p.bytes[n][st] is not None
+                            else "-" for n, st in cols])
   table.append(["total"] + [human(p.total(n, st)) for n, st in cols])
   table.append(["fits --device-gib " + f"{device_gib:g}"] + [
       "-" if p.total(n, st) is None else ("yes" if p.total(n, st) <= device_gib * 2 ** 30
@@ -618,15 +590,19 @@ def format_plan(p: Plan, device_gib: float) -> str:
       "",
       "* the config's schedule and stash choice (inp = pipeline.stash=inputs, res = residuals).",
       "`none` is the whole model on one device of the data axis, for comparison.",
-      "weights, optimizer, in flight: the schedule's state as placed on one device (the",
-      "checkpointed pytrees). Inside the step: float32 gradient sums; the flushed schedules'",
-      "stash ring (slots x a stage input, or x the stage's vjp residuals); one working set per",
-      "loop of ticks of one kind (a backward's recompute or residual read, its weight",
-      "gradient, the head's float32 logits of the device's vocabulary slice); the reduced",
-      "gradient and the optimizer update; pipedream's and 2bw's version copies.",
+      "weights, optimizer, in flight, batches: the schedule's state as placed on one device",
+      "(the step's arguments). Inside the step, counted by each schedule from the plan it",
+      "runs (jaxpipe.pipeline.memory_terms): float32 gradient sums (2bw: two); the",
+      "flushed schedules' stash ring; stage 0's embedded inputs and their cotangents; the",
+      "compute-dtype and version copies of the weights. Then the larger of one tick's",
+      "working set (tick rows: the head's float32 logits, the backward's stash read or",
+      "recompute and its float32 copy where bfloat16, the weight gradient, the other tick",
+      "loops' working sets) and the update's temporaries. total = all rows but those two",
+      "groups + the larger of them.",
       f"interleaved: v={virtual_stages(cfg, 'interleaved')} chunks per device (its slots and "
-      "working sets hold a chunk's);"
-      " `-` where a schedule refuses S, M or the layers.",
+      "working sets hold a chunk's;",
+      "a tick adds the copy of the chunk's weights it slices). `-` where a schedule refuses",
+      "S, M or the layers.",
       "`tools/planner.py --compile` compiles the config's step and prints XLA's own numbers.",
   ]
   if p.warnings:
@@ -641,7 +617,9 @@ def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
   At the top level, for the config's own schedule and stash: `estimate_gib`
   (the planner's total per device) and `xla_resident_gib` (XLA's resident
   bytes of the compiled step, None without --compile), with `xla` (XLA's
-  byte counts) beside them; under `estimates`, the planner's total for every
+  byte counts), `difference_gib` (estimate - XLA) and `difference`
+  (estimate / XLA - 1) beside them; `terms`, the config's schedule's named
+  memory terms ({key, label, bytes, phase}); under `estimates`, the planner's total for every
   schedule and stash choice (None where a schedule cannot run the config);
   `checkpoint_bytes`, the config's checkpoint and whole state ({saved, state}).
   """
@@ -654,6 +632,13 @@ def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
       "estimate_gib": gib(p.total(cfg.pipeline.schedule)),
       "xla_resident_gib": gib(compiled["resident"]) if compiled else None,
       "xla": compiled,
+      "difference_gib": (gib(p.total(cfg.pipeline.schedule) - compiled["resident"])
+                         if compiled else None),
+      "difference": (p.total(cfg.pipeline.schedule) / compiled["resident"] - 1
+                     if compiled else None),
+      "terms": [{"key": t.key, "label": t.label, "bytes": t.nbytes, "phase": t.phase}
+                for t in p.terms[cfg.pipeline.schedule][
+                    cfg.pipeline.stash if cfg.pipeline.schedule != "none" else "inputs"] or []],
       "estimates": {n: {st: gib(p.total(n, st)) for st in (STASHES if n != "none" else
                                                             ("inputs",))}
                     for n in SCHEDULES},
