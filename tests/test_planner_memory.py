@@ -31,7 +31,7 @@ def small_plan():
   return planner.plan(cfg, work=False)
 
 
-PIPELINED = ["gpipe", "1f1b", "2bw", "pipedream", "interleaved"]
+PIPELINED = ["gpipe", "1f1b", "2bw", "pipedream", "interleaved", "zb1"]
 
 
 @pytest.mark.parametrize("schedule", PIPELINED)
