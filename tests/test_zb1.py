@@ -272,3 +272,19 @@ def test_train_py_trains_zb1_as_one_device_and_exports_its_weights(tmp_path):
   assert at == 2
   for g, w in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=5e-6)
+
+
+def test_config_takes_any_m_and_refuses_chunks():
+  """zb1 runs any M >= 1 (its plan holds for M < S too) and one chunk per device:
+  virtual_stages=2 is one ConfigError naming the key and the fix."""
+  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxpipe.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(_runs.TINY, ["pipeline.schedule=zb1", "pipeline.stages=4",
+                                     "pipeline.microbatches=1", "data.batch_size=4"])
+  assert (cfg.pipeline.schedule, cfg.pipeline.microbatches) == ("zb1", 1)
+  with pytest.raises(ConfigError) as e:
+    config_lib.load(_runs.TINY, ["pipeline.schedule=zb1", "pipeline.stages=2",
+                                 "pipeline.virtual_stages=2"])
+  message = str(e.value)
+  assert "\n" not in message
+  assert "pipeline.virtual_stages=2" in message and "pipeline.virtual_stages=1" in message
