@@ -632,3 +632,5 @@ def test_benchmark_labels_name_interleaved_chunks_and_its_target():
   bubble = 1 / 17   # (S-1)/(vM+S-1) at S=2, v=2, M=8
   assert two_core.target("interleaved v2", 257, 1.8, bubble) == pytest.approx(0.93 * 16 / 17 * 1.8)
   assert two_core.target("interleaved v2", 257, None, bubble) is None
+  assert common.parse_label("zb1") == ("zb1", 1)
+  assert two_core.target("zb1", 257, 1.8, 1 / 25) == pytest.approx(0.93 * 24 / 25 * 1.8)

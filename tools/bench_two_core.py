@@ -47,8 +47,8 @@ def target(schedule: str, vocab: int, ceiling: Optional[float],
            bubble: float) -> Optional[float]:
   """The speed-up `schedule` must reach: the fixed target, scaled down with a low ceiling."""
   fixed = TWO_CORE_TARGETS.get((schedule, vocab))
-  if schedule.startswith("interleaved") and ceiling is not None:
-    # Issue 27: 0.93 of its bubble bound times the ceiling of the same run.
+  if schedule.startswith(("interleaved", "zb1")) and ceiling is not None:
+    # 0.93 of its bubble bound times the ceiling of the same run.
     return SHARE_OF_BOUND * (1 - bubble) * ceiling
   if fixed is None or ceiling is None or ceiling >= CEILING_FULL:
     return fixed
