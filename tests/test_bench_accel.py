@@ -9,6 +9,7 @@ import pytest
 
 from jaxpipe import bench
 from jaxpipe.errors import ConfigError
+from jaxpipe.pipeline import SCHEDULE_NAMES
 from tests import _runs
 
 TOOL = os.path.join(_runs.ROOT, "tools", "bench_accel.py")
@@ -64,8 +65,7 @@ def _bench(*args, devices=4, timeout=600):
 
 @pytest.mark.parametrize("args,line", [
     (("--schedules", "zigzag"),
-     "bench_accel: unknown schedule 'zigzag'; choose from none, gpipe, 1f1b, 2bw, pipedream, "
-     "interleaved"),
+     "bench_accel: unknown schedule 'zigzag'; choose from " + ", ".join(SCHEDULE_NAMES)),
     (("--config", "configs/smollm-135m.yaml", "--stages", "4"),
      "bench_accel: 30 layers do not split into --stages 4; choose a divisor of 30"),
     (("--batch", "12"),
