@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
+from jax.experimental import io_callback
 
 from jaxpipe import model as model_lib
 from jaxpipe import optim
@@ -459,3 +461,33 @@ def replica_groups(line: str, num_devices: int) -> list[frozenset]:
     size = int(np.prod([sizes[names.index(a)] for a in grouped]))
     return [frozenset(row.tolist()) for row in ids.transpose(order).reshape(-1, size)]
   raise ValueError(f"no replica_groups this parser knows in: {line[:200]}")
+
+
+def counting_stage(stage, log):
+  """`stage` wrapped so that every call reports to `log` from the device.
+
+  Each call appends (kind, stage, data replica, its input x) in program
+  order (an ordered io_callback): kind 'F' for a forward (the primal), 'R'
+  for the forward that jax.vjp re-runs in the backward (the custom_vjp's
+  forward rule: the 'inputs' stash's recomputation) and 'B' for the pullback.
+  """
+  def report(kind, x):
+    record = lambda s, d, x: log.append((kind, int(s), int(d), np.array(x)))
+    io_callback(record, None, lax.axis_index("stage"), lax.axis_index("data"), x, ordered=True)
+
+  @jax.custom_vjp
+  def counted(blocks, x):
+    report("F", x)
+    return stage(blocks, x)
+
+  def forward(blocks, x):
+    report("R", x)
+    return stage(blocks, x), (blocks, x)
+
+  def backward(res, g):
+    blocks, x = res
+    report("B", x)
+    return jax.vjp(stage, blocks, x)[1](g)
+
+  counted.defvjp(forward, backward)
+  return counted

@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-from jax.experimental import io_callback
 
 from jaxpipe.pipeline import layer_order, make_mesh, make_schedule, step_plan, timetable
 
@@ -126,30 +124,6 @@ def test_config_arithmetic_is_refused_by_the_library():
 COUNT = (2, 2, 4, 2)
 
 
-def _counting(stage, log):
-  """`stage` reporting every call (kind, stage, data, input) from the device, in order."""
-  def report(kind, x):
-    record = lambda s, d, x: log.append((kind, int(s), int(d), np.array(x)))
-    io_callback(record, None, lax.axis_index("stage"), lax.axis_index("data"), x, ordered=True)
-
-  @jax.custom_vjp
-  def counted(blocks, x):
-    report("F", x)
-    return stage(blocks, x)
-
-  def forward(blocks, x):
-    report("R", x)
-    return stage(blocks, x), (blocks, x)
-
-  def backward(res, g):
-    blocks, x = res
-    report("B", x)
-    return jax.vjp(stage, blocks, x)[1](g)
-
-  counted.defvjp(forward, backward)
-  return counted
-
-
 def _chunk_inputs(params, tokens, num_stages, v):
   """{(stage, chunk): [input of each microbatch]}, on one device in the natural order."""
   mdl = util.model(EIGHT)
@@ -170,7 +144,7 @@ def _counted():
   s_, d_, m, v = COUNT
   log = []
   fns = util.stage_fns(EIGHT)
-  fns = fns._replace(stage=_counting(fns.stage, log))
+  fns = fns._replace(stage=util.counting_stage(fns.stage, log))
   sch = make_schedule("interleaved", fns, util.optimizer("adamw"), make_mesh(s_, d_), m,
                       stash="inputs", virtual_stages=v)
   state = sch.init(jax.tree.map(jnp.asarray, util.initial_params(EIGHT)),

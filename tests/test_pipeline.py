@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpipe.pipeline import make_mesh, make_schedule, step_plan, timetable
@@ -297,36 +296,6 @@ COUNT_SHAPE = (4, 2, 3)
 COUNT_STEPS = 2
 
 
-def _counting(stage, log):
-  """`stage` wrapped so that every call reports to `log` from the device.
-
-  Each call appends (kind, stage, data replica, its input x) in program
-  order (an ordered io_callback): kind 'F' for a forward (the primal), 'R'
-  for the forward that jax.vjp re-runs in the backward (the custom_vjp's
-  forward rule: the 'inputs' stash's recomputation) and 'B' for the pullback.
-  """
-  def report(kind, x):
-    record = lambda s, d, x: log.append((kind, int(s), int(d), np.array(x)))
-    io_callback(record, None, lax.axis_index("stage"), lax.axis_index("data"), x, ordered=True)
-
-  @jax.custom_vjp
-  def counted(blocks, x):
-    report("F", x)
-    return stage(blocks, x)
-
-  def forward(blocks, x):
-    report("R", x)
-    return stage(blocks, x), (blocks, x)
-
-  def backward(res, g):
-    blocks, x = res
-    report("B", x)
-    return jax.vjp(stage, blocks, x)[1](g)
-
-  counted.defvjp(forward, backward)
-  return counted
-
-
 def _stage_inputs(params, tokens, num_stages):
   """[stage][microbatch] the input of each stage on each microbatch, on one device."""
   mdl = util.model()
@@ -352,7 +321,7 @@ def _counted_1f1b():
   s_, d_, m = COUNT_SHAPE
   log = []
   fns = util.stage_fns()
-  fns = fns._replace(stage=_counting(fns.stage, log))
+  fns = fns._replace(stage=util.counting_stage(fns.stage, log))
   sch = make_schedule("1f1b", fns, util.optimizer("adamw"), make_mesh(s_, d_), m,
                       stash="inputs")
   state = sch.init(jax.tree.map(jnp.asarray, util.initial_params()), (m, util.ROWS, util.SEQ))

@@ -89,7 +89,7 @@ from jax import lax
 
 from jaxpipe.pipeline import _vocab
 from jaxpipe.pipeline._names import DATA, STAGE, STASH_MODES
-from jaxpipe.pipeline._split import SplitStage
+from jaxpipe.pipeline._split import SplitStage, VjpLayout, forward_with_vjp, rebuild_vjp
 from jaxpipe.pipeline._timetable import StepPlan, TickKind
 
 Tree = Any
@@ -235,50 +235,12 @@ def make_varying(tree: Tree) -> Tree:
   return jax.tree.map(one, tree)
 
 
-class _VjpLayout(NamedTuple):
-  """How to rebuild a stage's `jax.vjp` function from a stash entry.
-
-  Attributes:
-    treedef: the structure of the vjp function (a pytree).
-    layout: per leaf of it: ('w', i) the stage's i-th weight leaf, or
-      ('r', j) the j-th stashed residual.
-  """
-  treedef: Any
-  layout: tuple
-
-
-def _forward_with_vjp(fn, blocks: Tree, x: jax.Array, mark=None):
-  """(y, aux, residuals to stash, layout): a stage's forward and what its backward needs.
-
-  Leaves of the vjp that are the stage's weights themselves are not stashed
-  (the backward takes them from the state). Every other leaf is, typed as
-  varying over the mesh like the ring that holds it.
-  """
-  (y, aux), vjp = jax.vjp(fn, blocks, x)
-  leaves, treedef = jax.tree.flatten(vjp)
-  weights = {id(w): i for i, w in enumerate(jax.tree.leaves(blocks))}
-  layout, kept = [], []
-  for leaf in leaves:
-    if id(leaf) in weights:
-      layout.append(("w", weights[id(leaf)]))
-    else:
-      layout.append(("r", len(kept)))
-      kept.append((mark or make_varying)(leaf))
-  return y, aux, tuple(kept), _VjpLayout(treedef, tuple(layout))
-
-
-def _rebuild_vjp(spec: _VjpLayout, kept, blocks: Tree):
-  weights = jax.tree.leaves(blocks)
-  leaves = [weights[i] if kind == "w" else kept[i] for kind, i in spec.layout]
-  return jax.tree.unflatten(spec.treedef, leaves)
-
-
-def _vjp_layout(fn, blocks: Tree, x: jax.Array, mark=None) -> tuple[_VjpLayout, tuple]:
+def _vjp_layout(fn, blocks: Tree, x: jax.Array, mark=None) -> tuple[VjpLayout, tuple]:
   """The layout and the residuals' shapes, from an abstract trace (no work is emitted)."""
   box = []
 
   def trace(blocks, x):
-    _, _, kept, layout = _forward_with_vjp(fn, blocks, x, mark)
+    _, _, kept, layout = forward_with_vjp(fn, blocks, x, mark or make_varying)
     box.append(layout)
     return kept
 
@@ -341,7 +303,7 @@ class _Ctx(NamedTuple):
   targets: jax.Array
   has_history: jax.Array
   slot_base: jax.Array
-  layout: Optional[_VjpLayout]
+  layout: Optional[VjpLayout]
   x0: Optional[jax.Array]
 
 
@@ -707,7 +669,7 @@ class Engine:
         y, aux, kept = self.split_stage.forward(blocks, x_in)
         return y.astype(x_in.dtype), aux, {"res": make_varying(kept)}
       if self.stash_mode == "residuals":
-        y, aux, kept, layout = _forward_with_vjp(fns.stage, blocks, x_in)
+        y, aux, kept, layout = forward_with_vjp(fns.stage, blocks, x_in, make_varying)
         assert layout.layout == ctx.layout.layout, "the stage traced differently"
         return y.astype(x_in.dtype), aux, {"res": kept}
       y, aux = fns.stage(blocks, x_in)
@@ -817,7 +779,7 @@ class Engine:
       def backward(blocks):
         blocks = chunk_of(blocks, chunk, self.chunks)
         if self.stash_mode == "residuals":
-          pull = _rebuild_vjp(ctx.layout, entry["res"], blocks)
+          pull = rebuild_vjp(ctx.layout, entry["res"], jax.tree.leaves(blocks))
         else:
           _, pull = jax.vjp(fns.stage, blocks, entry["x"])
         return pull((g_y, g_aux))

@@ -48,7 +48,8 @@ from jax.extend import source_info_util
 
 Tree = Any
 
-__all__ = ["SplitStage", "split_pullback", "SplitPullback"]
+__all__ = ["SplitStage", "split_pullback", "SplitPullback", "VjpLayout", "forward_with_vjp",
+           "rebuild_vjp"]
 
 # Primitives that call a jaxpr once with their operands (no iteration): a
 # split evaluates the two halves of the called jaxpr inline.
@@ -477,11 +478,43 @@ def _signature(tree) -> tuple:
   return treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype).name) for x in leaves)
 
 
-class _Layout(NamedTuple):
-  """How a stage's vjp function is rebuilt: its treedef and, per leaf,
-  ('w', i) the stage's i-th weight leaf or ('r', j) the j-th stashed residual."""
+class VjpLayout(NamedTuple):
+  """How to rebuild a stage's `jax.vjp` function from a stash entry.
+
+  Attributes:
+    treedef: the structure of the vjp function (a pytree).
+    layout: per leaf of it: ('w', i) the stage's i-th weight leaf, or
+      ('r', j) the j-th stashed residual.
+  """
   treedef: Any
   layout: tuple
+
+
+def forward_with_vjp(fn, blocks: Any, x: jax.Array, mark=lambda leaf: leaf):
+  """(y, aux, residuals to stash, layout): a stage's forward and what its backward needs.
+
+  Leaves of the vjp that are the stage's weights themselves are not stashed
+  (the backward takes them from the state); every other leaf is, passed
+  through `mark` (the engine types them as varying over the mesh, like the
+  ring that holds them).
+  """
+  (y, aux), vjp = jax.vjp(fn, blocks, x)
+  leaves, treedef = jax.tree.flatten(vjp)
+  weights = {id(w): i for i, w in enumerate(jax.tree.leaves(blocks))}
+  layout, kept = [], []
+  for leaf in leaves:
+    if id(leaf) in weights:
+      layout.append(("w", weights[id(leaf)]))
+    else:
+      layout.append(("r", len(kept)))
+      kept.append(mark(leaf))
+  return y, aux, tuple(kept), VjpLayout(treedef, tuple(layout))
+
+
+def rebuild_vjp(spec: VjpLayout, kept: Sequence[Any], weights: Sequence[Any]):
+  """The vjp function `forward_with_vjp` took apart, from its stash and the weights' leaves."""
+  leaves = [weights[i] if kind == "w" else kept[i] for kind, i in spec.layout]
+  return jax.tree.unflatten(spec.treedef, leaves)
 
 
 class SplitStage:
@@ -507,18 +540,8 @@ class SplitStage:
 
   def forward(self, blocks: Tree, x: jax.Array):
     """(y, aux, stash): the stage's outputs and its vjp residuals (no weights)."""
-    (y, aux), vjp = jax.vjp(self.fn, blocks, x)
-    leaves, treedef = jax.tree.flatten(vjp)
-    weights = {id(w): i for i, w in enumerate(jax.tree.leaves(blocks))}
-    layout, kept = [], []
-    for leaf in leaves:
-      if id(leaf) in weights:
-        layout.append(("w", weights[id(leaf)]))
-      else:
-        layout.append(("r", len(kept)))
-        kept.append(leaf)
-    kept = tuple(kept)
-    self._layouts[_signature((blocks, kept))] = _Layout(treedef, tuple(layout))
+    y, aux, kept, layout = forward_with_vjp(self.fn, blocks, x)
+    self._layouts[_signature((blocks, kept))] = layout
     return y, aux, kept
 
   def _split(self, blocks, stash, cts):
@@ -528,8 +551,7 @@ class SplitStage:
       spec = self._layouts[_signature((blocks, stash))]
 
       def pull(weights, kept, cts):
-        leaves = [weights[i] if kind == "w" else kept[i] for kind, i in spec.layout]
-        return jax.tree.unflatten(spec.treedef, leaves)(cts)
+        return rebuild_vjp(spec, kept, weights)(cts)
 
       weights = jax.tree.leaves(blocks)
       closed = jax.make_jaxpr(pull)(weights, stash, cts)
