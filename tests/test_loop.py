@@ -115,7 +115,6 @@ def test_the_loop_queues_step_k_plus_1_before_it_waits_for_step_k(tmp_path, monk
   computation queued behind it, like a jitted learning rate) before
   dispatching step k+1 would wait for a gate that never opens.
   """
-  import functools  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
@@ -133,6 +132,7 @@ def test_the_loop_queues_step_k_plus_1_before_it_waits_for_step_k(tmp_path, monk
   events = []
 
   def wait_for(k, x):
+    k = int(k)
     if not gates[k].wait(timeout=60):
       timed_out.append(k)
     events.append(("read", k))
@@ -144,18 +144,21 @@ def test_the_loop_queues_step_k_plus_1_before_it_waits_for_step_k(tmp_path, monk
   # dispatching thread, whenever its inputs are ready; only a gate whose input
   # is still being computed is queued. So every gate also takes the previous
   # gate's output (still closed when the next gate is dispatched) and the first
-  # takes a long computation's, dispatched just before it.
-  @functools.partial(jax.jit, static_argnums=0)
+  # takes a long computation's, dispatched just before it. Both programs are
+  # compiled before the loop starts: a compile between dispatching the long
+  # computation and the first gate would give it time to finish, and the gate
+  # would then block the only thread that could open it.
   def gated(k, loss, held):
     loss = loss + 0.0 * held  # nothing folds 0 * x in floating point
-    return io_callback(functools.partial(wait_for, k), jax.ShapeDtypeStruct((), loss.dtype),
-                       loss, ordered=False)
+    return io_callback(wait_for, jax.ShapeDtypeStruct((), loss.dtype), k, loss, ordered=False)
 
-  @jax.jit
   def long_computation(x):
     m = jnp.full((512, 512), x)
-    return jnp.sum(jax.lax.fori_loop(0, 64, lambda _, a: jnp.tanh(a @ m), m)) * 0.0
+    return jnp.sum(jax.lax.fori_loop(0, 256, lambda _, a: jnp.tanh(a @ m), m)) * 0.0
 
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  gated = jax.jit(gated).lower(jax.ShapeDtypeStruct((), jnp.int32), scalar, scalar).compile()
+  long_computation = jax.jit(long_computation).lower(scalar).compile()
   held = []
 
   def step(self, state, tokens, targets, go=None):
@@ -167,7 +170,7 @@ def test_the_loop_queues_step_k_plus_1_before_it_waits_for_step_k(tmp_path, monk
         held.append(long_computation(met["loss"]))
       assert not timed_out, f"the loop waited for step(s) {timed_out} before queueing the next"
       assert not held[-1].is_ready(), "the gate's input was computed before the gate was queued"
-      held.append(gated(k, met["loss"], held[-1]))
+      held.append(gated(jnp.int32(k), met["loss"], held[-1]))
       met = {**met, "loss": held[-1]}
     if k:
       gates[k - 1].set()  # step k is queued: step k-1 may be read now
