@@ -62,6 +62,15 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, cache, name):
                jax.device_get(resumed["state"]))
 
 
+def _stopped(pid: int) -> bool:
+  """Whether every thread of the process is stopped (state T in /proc)."""
+  states = []
+  for tid in os.listdir(f"/proc/{pid}/task"):
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+      states.append(f.read().rsplit(")", 1)[1].split()[0])
+  return all(s == "T" for s in states)
+
+
 def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous(tmp_path, cache):
   run_dir = str(tmp_path / "run")
   ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -69,14 +78,29 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous(tmp_path, ca
                      *PIPE["2bw"], cache_dir=cache)
   partial = lambda: [d for d in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
                      if "tmp" in d and _runs.checkpoints(run_dir)]
+  # A save of this tiny state can finish between the poll that sees it and the
+  # kill, so the run is frozen first (SIGSTOP stops every thread, the saving ones
+  # too) and killed only if a save is still under way in what is frozen; else it
+  # goes on until the next save.
+  caught = False
   try:
-    caught = _runs.wait_for(partial, timeout=180, interval=0.0005)
+    for _ in range(50):
+      if not _runs.wait_for(partial, timeout=180, interval=0.0005):
+        break
+      proc.send_signal(signal.SIGSTOP)
+      # The signal is delivered asynchronously: read the directory only once the
+      # kernel reports every thread stopped.
+      assert _runs.wait_for(lambda: _stopped(proc.pid), timeout=10, interval=0.0005)
+      if partial():
+        caught = True
+        break
+      proc.send_signal(signal.SIGCONT)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
   finally:
     if proc.poll() is None:
       proc.kill()
-  assert caught, "never saw a checkpoint being written"
+  assert caught, "never stopped the run while a checkpoint was being written"
   left = [d for d in os.listdir(ckpt_dir) if not d.isdigit()]
   complete = _runs.checkpoints(run_dir)
   assert left, "the kill did not land during a save"

@@ -254,6 +254,7 @@ def test_bench_two_core_times_pinned_processes():
   rows, accounts = two_core.two_core(shape, [257], 2, pairs=3, warmup=1,
                                      cores=(str(cores[0]), str(cores[1])), schedules=("2bw",),
                                      processes=("2bw",), account_steps=2, settle_s=0,
+                                     xla_flags="--xla_cpu_experimental_ynn_fusion_type=",
                                      log=lambda _: None)
   assert [r["schedule"] for r in rows] == ["ceiling", "2bw", "2bw x2", "hardware"]
   for r in rows:
@@ -277,6 +278,20 @@ def test_bench_two_core_times_pinned_processes():
       2 * sorted(a / b for a, b in zip(hw["ref"], hw["times"]))[1])
 
 
+def test_two_core_workers_take_the_extra_xla_flags():
+  """`--xla-flags` reaches every pinned worker's XLA_FLAGS, after the one-thread default."""
+  two_core = _load("bench_two_core")
+  flags = two_core.worker_xla_flags(2, "--xla_cpu_experimental_ynn_fusion_type=")
+  assert flags.split() == ["--xla_cpu_multi_thread_eigen=false",
+                           "--xla_force_host_platform_device_count=2",
+                           "--xla_cpu_experimental_ynn_fusion_type="]
+  assert two_core.worker_xla_flags(1) == ("--xla_cpu_multi_thread_eigen=false "
+                                          "--xla_force_host_platform_device_count=1")
+  args = _load("bench_pipeline")._parser().parse_args(
+      ["--two-core", "--xla-flags=--xla_cpu_experimental_ynn_fusion_type="])
+  assert args.xla_flags == "--xla_cpu_experimental_ynn_fusion_type="
+
+
 @pytest.mark.parametrize("args", [
     ("--two-core", "--cores", "0"),
     ("--two-core", "--cores", "0,0"),
@@ -284,6 +299,7 @@ def test_bench_two_core_times_pinned_processes():
     ("--two-core", "--sweep"),
     ("--two-core", "--vocab", "100"),
     ("--two-core", "--layers", "3"),
+    ("--two-core", "--xla-flags=-O3"),
 ])
 def test_bench_two_core_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_pipeline", *args))

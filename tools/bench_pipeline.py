@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import statistics
 import sys
@@ -247,6 +248,9 @@ def _check(args, shape: ModelShape) -> None:
       raise ValueError(f"--pairs must be >= 3 for a median and a spread, got {args.pairs}")
     if min(args.vocab) < 257:
       raise ValueError(f"--vocab must be >= 257 (the byte vocabulary), got {args.vocab}")
+    bad = [f for f in args.xla_flags.split() if not re.fullmatch(r"--xla_\w+(=\S*)?", f)]
+    if bad:
+      raise ValueError(f"--xla-flags takes XLA flags such as --xla_cpu_use_xnnpack=false; got {bad[0]!r}")
     import shutil  # pylint: disable=g-import-not-at-top
     if shutil.which("taskset") is None:
       raise ValueError("--two-core pins processes with taskset, which is not installed "
@@ -327,6 +331,8 @@ def _parser() -> Parser:
                            "and account for their time by phase (default 0: off)")
   parser.add_argument("--cores", default="0,1",
                       help="two-core: the two CPU cores to pin to (default 0,1)")
+  parser.add_argument("--xla-flags", default="",
+                      help="two-core: XLA flags added to every process's XLA_FLAGS (default none)")
   return parser
 
 

@@ -60,6 +60,11 @@ def target(schedule: str, vocab: int, ceiling: Optional[float],
 _REPLY = "@jaxpipe-bench"
 
 
+def worker_xla_flags(devices: int, extra: str = "") -> str:
+  """The XLA_FLAGS of a pinned worker: one XLA thread per device, `devices` host devices, then `extra`."""
+  return f"--xla_cpu_multi_thread_eigen=false {COUNT_FLAG}={devices} {extra}".strip()
+
+
 def worker(spec: dict[str, Any]) -> int:
   """Runs in a pinned child process: builds one configuration, then serves commands on stdin.
 
@@ -71,7 +76,7 @@ def worker(spec: dict[str, Any]) -> int:
   """
   dist = spec.get("dist")
   devices = 1 if dist else spec["stages"] * spec["data"]
-  os.environ["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false {COUNT_FLAG}={devices}"
+  os.environ["XLA_FLAGS"] = worker_xla_flags(devices, spec.get("xla_flags", ""))
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=g-import-not-at-top
   if dist:
@@ -213,7 +218,7 @@ def _step_together(a: _Pinned, b: _Pinned) -> float:
 def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *, pairs: int,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = LABELS[1:],
              processes: Sequence[str] = ("2bw", "1f1b"), account_steps: int = 0,
-             settle_s: float = 90.0, log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             settle_s: float = 90.0, xla_flags: str = "", log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """Speed-up of S=2 pipelines on two cores over one device on one core, and their accounts.
 
   For each vocabulary it starts, each in its own process: the one-device
@@ -231,14 +236,16 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   steps and accounts for their time (`jaxpipe.account`). Returns (one row
   per (vocabulary, configuration) with the median speed-up and its spread,
   {vocabulary: {configuration: account}}). Before timing it waits up to
-  `settle_s` for the 1-minute load average to fall below 2.5.
+  `settle_s` for the 1-minute load average to fall below 2.5. `xla_flags`
+  are added to every process's XLA_FLAGS.
   """
   from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   rows, accounts = [], {}
   both = ",".join(cores)
   for vocab in vocabs:
     sh = dataclasses.replace(shape, vocab=vocab)
-    base = {"shape": dataclasses.asdict(sh), "microbatches": num_microbatches}
+    base = {"shape": dataclasses.asdict(sh), "microbatches": num_microbatches,
+            "xla_flags": xla_flags}
     workers: list[Any] = [
         _Pinned("none", dict(base, schedule="none", stages=1, data=1), cores[0]),
         _Pinned("ceiling", dict(base, schedule="ceiling", stages=1, data=2), both)]
@@ -322,7 +329,8 @@ def run(args, shape: ModelShape) -> int:
             "adamw; float32",
             f"one device pinned to core {args.cores.split(',')[0]}; 2 stages (or the ceiling's "
             f"2 devices) pinned to cores {args.cores}; one XLA thread per device; "
-            f"{args.pairs} timed rounds after {args.warmup} warm-up; jax {jax.__version__}",
+            f"{args.pairs} timed rounds after {args.warmup} warm-up; jax {jax.__version__}; "
+            f"extra XLA flags: {args.xla_flags or 'none'}",
             f"load average (1/5/15 min) at start: {load_before}"]
   for line in header:
     log(line)
@@ -331,7 +339,8 @@ def run(args, shape: ModelShape) -> int:
                               cores=tuple(c.strip() for c in args.cores.split(",")),
                               schedules=[n for n in dict.fromkeys(["2bw", *args.schedules])
                                          if n != "none"],
-                              processes=args.processes, account_steps=args.account, log=log)
+                              processes=args.processes, account_steps=args.account,
+                              xla_flags=args.xla_flags, log=log)
   except RuntimeError as e:
     print(f"bench_pipeline: {e}", file=sys.stderr)
     return 1
