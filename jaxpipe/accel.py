@@ -11,6 +11,8 @@
 - `gpu_expected()` and `gpu_xla_flags(...)`: before JAX starts, whether this
   process will run on NVIDIA GPUs, and the XLA flags the launcher then adds
   (`merge_xla_flags`: a flag the user already set in XLA_FLAGS wins).
+- `cpu_xla_flags()`: the XLA flags the launcher adds elsewhere (XLA's
+  CPU compiler orders each program for memory, not for concurrency).
 - `device_memory(devices)`: each device's peak memory, where the runtime
   reports it (`Device.memory_stats()`; the CPU reports nothing).
 - `enable_compile_cache(dir)`: JAX's persistent compilation cache.
@@ -27,7 +29,8 @@ import os
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "StepFlops", "step_flops", "gpu_expected",
-           "gpu_xla_flags", "merge_xla_flags", "device_memory", "write_device_memory",
+           "gpu_xla_flags", "merge_xla_flags", "cpu_xla_flags", "xla_default_order_flags",
+           "device_memory", "write_device_memory",
            "enable_compile_cache"]
 
 # Dense (no 2:4 sparsity) bfloat16 tensor-core peak in TFLOP/s per chip, keyed
@@ -202,6 +205,37 @@ def merge_xla_flags(current: str, defaults: Sequence[str]) -> str:
   """XLA_FLAGS with each default added unless `current` already sets that flag (the user's wins)."""
   have = {_flag_name(f) for f in current.split()}
   return " ".join([current] + [f for f in defaults if _flag_name(f) not in have]).strip()
+
+
+_CPU_ORDER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+
+
+def cpu_xla_flags() -> list[str]:
+  """The XLA flags the launcher adds where JAX will not find NVIDIA GPUs (the user's own win).
+
+  XLA's CPU compiler orders each program's operations breadth-first by
+  default, to expose concurrency to its runtime at the cost of memory
+  (`xla_cpu_enable_concurrency_optimized_scheduler`); the flag set here
+  makes it order them depth-first, for memory. A pipeline step with a stage
+  per core runs faster so (docs/benchmark.md: 2bw at 1.81x of one core
+  against 1.66-1.68x, in the same 20 alternated rounds; the one-device
+  step's time is the same either way). XLA reads this flag from XLA_FLAGS
+  only: passed to `jax.jit(compiler_options=...)` it is accepted and
+  compiles the same order as without it. The flag is known to XLA on every
+  backend, and only its CPU compiler reads it. The launcher adds it for runs
+  of one process only (see `jaxpipe.launch.prepare_devices`).
+  """
+  return [f"{_CPU_ORDER_FLAG}=false"]
+
+
+def xla_default_order_flags() -> list[str]:
+  """XLA_FLAGS that keep XLA's default (breadth-first) CPU order: what the planner compiles with.
+
+  That order keeps 11-23% more alive per device than `cpu_xla_flags`'
+  depth-first one on the benchmark's shapes (docs/benchmark.md), so the
+  planner's `--compile` figure is the larger of the two.
+  """
+  return [f"{_CPU_ORDER_FLAG}=true"]
 
 
 # --- memory and compilation cache -------------------------------------------

@@ -1,8 +1,8 @@
 """Process start-up: emulated CPU devices, XLA's GPU flags and `jax.distributed`.
 
 `prepare_devices` must run before JAX initialises its backend (it sets
-XLA_FLAGS: the emulated CPU devices, or on NVIDIA GPUs `jaxpipe.accel`'s
-flags); `start` then turns on the compilation cache (`run.compile_cache`),
+XLA_FLAGS: the emulated CPU devices and `jaxpipe.accel`'s CPU flags, or on
+NVIDIA GPUs its GPU flags); `start` then turns on the compilation cache (`run.compile_cache`),
 joins a multi-process run when the config or the environment asks for one
 (with this process's GPUs, `local_device_ids`, and the `dist.*` timeouts),
 starts watching the other processes (`jaxpipe._watchdog.Peers`: a lost one
@@ -70,7 +70,9 @@ def prepare_devices(cfg: Config) -> None:
   adds CPU devices; on a GPU or TPU machine JAX still uses the accelerators).
   Where JAX will find NVIDIA GPUs (`accel.gpu_expected`): `accel.gpu_xla_flags`
   (the latency-hiding scheduler, the pipeline flags for a pipelined schedule,
-  deterministic ops with run.deterministic); the CPU path gets none of them.
+  deterministic ops with run.deterministic); elsewhere, for a run of one
+  process, `accel.cpu_xla_flags` (XLA's CPU compiler ordering each program
+  for memory).
   A flag the user already put in XLA_FLAGS is kept, with its value.
   """
   need = local_devices_needed(cfg)
@@ -81,6 +83,11 @@ def prepare_devices(cfg: Config) -> None:
     flags = accel.merge_xla_flags(flags, accel.gpu_xla_flags(
         deterministic=cfg.run.deterministic,
         pipelined=cfg.pipeline.schedule != "none" and cfg.pipeline.stages > 1))
+  elif distributed_settings(cfg)[1] == 1:
+    # One process only: with the flag, two processes of a 2bw run (Muon with
+    # the correction, gloo collectives) hung in their first step
+    # (tests/test_distributed.py), which they do not without it.
+    flags = accel.merge_xla_flags(flags, accel.cpu_xla_flags())
   if flags:
     os.environ["XLA_FLAGS"] = flags
 

@@ -13,6 +13,9 @@ import shutil
 import sys
 import tempfile
 
+# The tests' own process keeps XLA's default CPU order (what the planner
+# compiles with, jaxpipe.accel.xla_default_order_flags); the train.py
+# processes they start get the launcher's flags on top.
 _FLAGS = ("--xla_force_host_platform_device_count=8",
           "--xla_backend_optimization_level=0",
           "--xla_llvm_disable_expensive_passes=true")

@@ -110,11 +110,19 @@ def test_launcher_sets_gpu_flags_on_gpus_only(monkeypatch):
   assert _launch_flags(monkeypatch, True, user, *pipelined) == [
       "--xla_gpu_deterministic_ops=false", "--xla_disable_hlo_passes=rematerialization",
       "--xla_force_host_platform_device_count=2", *PIPELINE_FLAGS[:2], PIPELINE_FLAGS[3]]
-  # Without a GPU: only the emulated devices, as before.
+  # Without a GPU: the emulated devices and the CPU flag; the user's value wins.
   assert _launch_flags(monkeypatch, False, "", *pipelined) == [
-      "--xla_force_host_platform_device_count=2"]
+      "--xla_force_host_platform_device_count=2", *accel.cpu_xla_flags()]
   assert _launch_flags(monkeypatch, False, "--xla_cpu_multi_thread_eigen=false") == [
-      "--xla_cpu_multi_thread_eigen=false"]
+      "--xla_cpu_multi_thread_eigen=false", *accel.cpu_xla_flags()]
+  mine = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+  assert _launch_flags(monkeypatch, False, mine) == [mine]
+  # ...and none of it for a run of several processes.
+  assert not set(accel.cpu_xla_flags()) & set(_launch_flags(
+      monkeypatch, False, "", *pipelined, "dist.num_processes=2",
+      "dist.coordinator=127.0.0.1:1234"))
+  # ...and on GPUs none of it.
+  assert not set(accel.cpu_xla_flags()) & set(_launch_flags(monkeypatch, True, "", *pipelined))
 
 
 def test_gpu_flags_are_known_to_xla_and_inert_on_the_cpu():
@@ -127,6 +135,38 @@ def test_gpu_flags_are_known_to_xla_and_inert_on_the_cpu():
                      timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout.strip() == "6.0"
+
+
+_ORDER_PROBE = """
+import hashlib, jax, jax.numpy as jnp
+def f(x, w):
+  outs = [jnp.tanh(x @ w[i]) * i for i in range(6)]
+  y = outs[0]
+  for o in outs[1:]:
+    y = y @ o.T @ o
+  return y
+kw = {OPTIONS}
+text = jax.jit(f, **kw).lower(jnp.ones((64, 64)), jnp.ones((6, 64, 64))).compile().as_text()
+print(hashlib.sha256(text.encode()).hexdigest())
+"""
+
+
+def _compiled_order(flags: str, options: str = "{}") -> str:
+  env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+  p = subprocess.run([sys.executable, "-c", _ORDER_PROBE.replace("{OPTIONS}", options)],
+                     env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  return p.stdout.strip()
+
+
+def test_cpu_flags_reorder_the_compiled_program_from_xla_flags_only():
+  """The launcher's CPU flag parses and changes the order XLA compiles (six independent
+  matmuls); the same option given to `jax.jit(compiler_options=...)` does not."""
+  (flag,) = accel.cpu_xla_flags()
+  name = flag.split("=")[0].lstrip("-")
+  default = _compiled_order("")
+  assert _compiled_order(flag) != default
+  assert _compiled_order("", options=f"{{'compiler_options': {{'{name}': False}}}}") == default
 
 
 # --- device memory ---------------------------------------------------------------

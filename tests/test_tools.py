@@ -255,8 +255,11 @@ def test_bench_two_core_times_pinned_processes():
                                      cores=(str(cores[0]), str(cores[1])), schedules=("2bw",),
                                      processes=("2bw",), account_steps=2, settle_s=0,
                                      xla_flags="--xla_cpu_experimental_ynn_fusion_type=",
+                                     compare_flags="--xla_cpu_enable_concurrency_optimized_scheduler=true",
                                      log=lambda _: None)
-  assert [r["schedule"] for r in rows] == ["ceiling", "2bw", "2bw x2", "hardware"]
+  assert [r["schedule"] for r in rows] == ["ceiling", "2bw", "2bw [B]", "2bw x2", "hardware"]
+  compared = rows.pop(2)
+  assert compared["target"] is None and compared["bound"] == 2.0 and len(compared["times"]) == 3
   for r in rows:
     assert len(r["times"]) == len(r["ref"]) == 3 and min(r["times"]) > 0
     assert r["low"] <= r["q1"] <= r["speedup"] <= r["q3"] <= r["high"]
@@ -279,14 +282,23 @@ def test_bench_two_core_times_pinned_processes():
 
 
 def test_two_core_workers_take_the_extra_xla_flags():
-  """`--xla-flags` reaches every pinned worker's XLA_FLAGS, after the one-thread default."""
+  """`--xla-flags` reaches every pinned worker's XLA_FLAGS and wins over the defaults."""
   two_core = _load("bench_two_core")
+  from jaxpipe import accel  # pylint: disable=g-import-not-at-top
   flags = two_core.worker_xla_flags(2, "--xla_cpu_experimental_ynn_fusion_type=")
-  assert flags.split() == ["--xla_cpu_multi_thread_eigen=false",
-                           "--xla_force_host_platform_device_count=2",
-                           "--xla_cpu_experimental_ynn_fusion_type="]
-  assert two_core.worker_xla_flags(1) == ("--xla_cpu_multi_thread_eigen=false "
-                                          "--xla_force_host_platform_device_count=1")
+  assert flags.split() == ["--xla_cpu_experimental_ynn_fusion_type=",
+                           "--xla_cpu_multi_thread_eigen=false",
+                           "--xla_force_host_platform_device_count=2", *accel.cpu_xla_flags()]
+  assert two_core.worker_xla_flags(1).split() == [
+      "--xla_cpu_multi_thread_eigen=false", "--xla_force_host_platform_device_count=1",
+      *accel.cpu_xla_flags()]
+  # A flag given with --xla-flags replaces the default one.
+  mine = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+  assert two_core.worker_xla_flags(2, mine).split().count(mine) == 1
+  assert not set(accel.cpu_xla_flags()) & set(two_core.worker_xla_flags(2, mine).split())
+  # A jax.distributed worker gets what train.py gives a run of several processes: none.
+  assert not set(accel.cpu_xla_flags()) & set(
+      two_core.worker_xla_flags(1, distributed=True).split())
   args = _load("bench_pipeline")._parser().parse_args(
       ["--two-core", "--xla-flags=--xla_cpu_experimental_ynn_fusion_type="])
   assert args.xla_flags == "--xla_cpu_experimental_ynn_fusion_type="
@@ -300,6 +312,7 @@ def test_two_core_workers_take_the_extra_xla_flags():
     ("--two-core", "--vocab", "100"),
     ("--two-core", "--layers", "3"),
     ("--two-core", "--xla-flags=-O3"),
+    ("--two-core", "--compare-xla-flags", "O3"),
 ])
 def test_bench_two_core_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_pipeline", *args))

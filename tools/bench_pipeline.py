@@ -248,9 +248,12 @@ def _check(args, shape: ModelShape) -> None:
       raise ValueError(f"--pairs must be >= 3 for a median and a spread, got {args.pairs}")
     if min(args.vocab) < 257:
       raise ValueError(f"--vocab must be >= 257 (the byte vocabulary), got {args.vocab}")
-    bad = [f for f in args.xla_flags.split() if not re.fullmatch(r"--xla_\w+(=\S*)?", f)]
-    if bad:
-      raise ValueError(f"--xla-flags takes XLA flags such as --xla_cpu_use_xnnpack=false; got {bad[0]!r}")
+    for option, value in (("--xla-flags", args.xla_flags),
+                          ("--compare-xla-flags", args.compare_xla_flags)):
+      bad = [f for f in value.split() if not re.fullmatch(r"--xla_\w+(=\S*)?", f)]
+      if bad:
+        raise ValueError(f"{option} takes XLA flags such as --xla_cpu_use_xnnpack=false; "
+                         f"got {bad[0]!r}")
     import shutil  # pylint: disable=g-import-not-at-top
     if shutil.which("taskset") is None:
       raise ValueError("--two-core pins processes with taskset, which is not installed "
@@ -333,6 +336,9 @@ def _parser() -> Parser:
                       help="two-core: the two CPU cores to pin to (default 0,1)")
   parser.add_argument("--xla-flags", default="",
                       help="two-core: XLA flags added to every process's XLA_FLAGS (default none)")
+  parser.add_argument("--compare-xla-flags", default="",
+                      help="two-core: also run each schedule compiled with these XLA flags on "
+                           "top, in the same rounds (rows 'S [B]'; default none)")
   return parser
 
 

@@ -56,13 +56,21 @@ def target(schedule: str, vocab: int, ceiling: Optional[float],
   return min(fixed, share * ceiling)
 
 
+# The suffix of the rows compiled with `--compare-xla-flags`.
+COMPARED = " [B]"
+
 # Marks the worker's replies on its stdout, where libraries (gloo) print too.
 _REPLY = "@jaxpipe-bench"
 
 
-def worker_xla_flags(devices: int, extra: str = "") -> str:
-  """The XLA_FLAGS of a pinned worker: one XLA thread per device, `devices` host devices, then `extra`."""
-  return f"--xla_cpu_multi_thread_eigen=false {COUNT_FLAG}={devices} {extra}".strip()
+def worker_xla_flags(devices: int, extra: str = "", *, distributed: bool = False) -> str:
+  """The XLA_FLAGS of a pinned worker: `extra`, then one XLA thread per device, `devices`
+  host devices and, as train.py sets them for a run of one process, its CPU flags
+  (`jaxpipe.accel.cpu_xla_flags`), each unless `extra` sets it."""
+  from jaxpipe import accel  # pylint: disable=g-import-not-at-top
+  cpu = [] if distributed else accel.cpu_xla_flags()
+  return accel.merge_xla_flags(extra, ["--xla_cpu_multi_thread_eigen=false",
+                                       f"{COUNT_FLAG}={devices}", *cpu])
 
 
 def worker(spec: dict[str, Any]) -> int:
@@ -76,7 +84,8 @@ def worker(spec: dict[str, Any]) -> int:
   """
   dist = spec.get("dist")
   devices = 1 if dist else spec["stages"] * spec["data"]
-  os.environ["XLA_FLAGS"] = worker_xla_flags(devices, spec.get("xla_flags", ""))
+  os.environ["XLA_FLAGS"] = worker_xla_flags(devices, spec.get("xla_flags", ""),
+                                             distributed=bool(dist))
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=g-import-not-at-top
   if dist:
@@ -218,7 +227,8 @@ def _step_together(a: _Pinned, b: _Pinned) -> float:
 def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *, pairs: int,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = LABELS[1:],
              processes: Sequence[str] = ("2bw", "1f1b"), account_steps: int = 0,
-             settle_s: float = 90.0, xla_flags: str = "", log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             settle_s: float = 90.0, xla_flags: str = "", compare_flags: str = "",
+             log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """Speed-up of S=2 pipelines on two cores over one device on one core, and their accounts.
 
   For each vocabulary it starts, each in its own process: the one-device
@@ -237,7 +247,9 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   per (vocabulary, configuration) with the median speed-up and its spread,
   {vocabulary: {configuration: account}}). Before timing it waits up to
   `settle_s` for the 1-minute load average to fall below 2.5. `xla_flags`
-  are added to every process's XLA_FLAGS.
+  are added to every process's XLA_FLAGS. With `compare_flags`, each
+  schedule of `schedules` also runs compiled with those flags on top (rows
+  'S [B]', without a target), in the same rounds as the rest.
   """
   from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   rows, accounts = [], {}
@@ -250,6 +262,11 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
         _Pinned("none", dict(base, schedule="none", stages=1, data=1), cores[0]),
         _Pinned("ceiling", dict(base, schedule="ceiling", stages=1, data=2), both)]
     workers += [_Pinned(n, dict(base, schedule=n, stages=2, data=1), both) for n in schedules]
+    if compare_flags:
+      from jaxpipe import accel  # pylint: disable=g-import-not-at-top
+      other = accel.merge_xla_flags(compare_flags, xla_flags.split())
+      workers += [_Pinned(f"{n}{COMPARED}", dict(base, schedule=n, stages=2, data=1,
+                                                 xla_flags=other), both) for n in schedules]
     workers += [_processes(f"{n} x2", base, n, cores) for n in processes]
     # A second reference on the other core: stepped together with the first,
     # it shows what the two cores give two processes that share nothing.
@@ -291,7 +308,7 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
       if name in ("ceiling", "hardware"):
         bub = 0.0
       else:
-        plain, v = parse_label(name.removesuffix(" x2"))
+        plain, v = parse_label(name.removesuffix(" x2").removesuffix(COMPARED))
         bub = facts(plain, 2, num_microbatches, v).bubble
       # The ceiling's devices and the twin do the reference's work, so their
       # ratio is a parallel efficiency; 2x that is what two devices gave.
@@ -305,7 +322,8 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
           "speedup": speedup, "low": scale * ratio[0],
           "high": scale * ratio[-1], "q1": scale * ratio[len(ratio) // 4],
           "q3": scale * ratio[(3 * len(ratio)) // 4], "bound": 2.0 * (1.0 - bub),
-          "ceiling": ceiling, "target": target(name, vocab, ceiling, bub),
+          "ceiling": ceiling,
+          "target": None if name.endswith(COMPARED) else target(name, vocab, ceiling, bub),
           "times": times[name], "ref": ref,
           "load_before": timing_load, "load_after": load()})
   return rows, accounts
@@ -330,7 +348,9 @@ def run(args, shape: ModelShape) -> int:
             f"one device pinned to core {args.cores.split(',')[0]}; 2 stages (or the ceiling's "
             f"2 devices) pinned to cores {args.cores}; one XLA thread per device; "
             f"{args.pairs} timed rounds after {args.warmup} warm-up; jax {jax.__version__}; "
-            f"extra XLA flags: {args.xla_flags or 'none'}",
+            f"extra XLA flags: {args.xla_flags or 'none'}"
+            + (f"; rows{COMPARED} also with {args.compare_xla_flags}"
+               if args.compare_xla_flags else ""),
             f"load average (1/5/15 min) at start: {load_before}"]
   for line in header:
     log(line)
@@ -340,7 +360,8 @@ def run(args, shape: ModelShape) -> int:
                               schedules=[n for n in dict.fromkeys(["2bw", *args.schedules])
                                          if n != "none"],
                               processes=args.processes, account_steps=args.account,
-                              xla_flags=args.xla_flags, log=log)
+                              xla_flags=args.xla_flags,
+                              compare_flags=args.compare_xla_flags, log=log)
   except RuntimeError as e:
     print(f"bench_pipeline: {e}", file=sys.stderr)
     return 1

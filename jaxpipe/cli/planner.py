@@ -40,6 +40,7 @@ import sys
 import types
 from typing import Any, Optional
 
+from jaxpipe import accel
 from jaxpipe import config as config_lib
 from jaxpipe import launch
 from jaxpipe.cli import Parser
@@ -676,6 +677,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Planning needs shapes and shardings, not accelerators: plan on the host
     # (unless told otherwise), whose devices can be emulated in any number.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # XLA's default CPU order, which keeps more alive than the depth-first one
+    # train.py sets on the CPU: the larger figure is the one to size by.
+    os.environ["XLA_FLAGS"] = accel.merge_xla_flags(os.environ.get("XLA_FLAGS", ""),
+                                                    accel.xla_default_order_flags())
     # The shardings need the mesh's devices: emulate them before JAX starts.
     launch.prepare_devices(cfg)
     result = plan(cfg, device_gib=args.device_gib, max_bubble=args.max_bubble)
