@@ -11,8 +11,9 @@
 - `gpu_expected()` and `gpu_xla_flags(...)`: before JAX starts, whether this
   process will run on NVIDIA GPUs, and the XLA flags the launcher then adds
   (`merge_xla_flags`: a flag the user already set in XLA_FLAGS wins).
-- `cpu_xla_flags()`: the XLA flags the launcher adds elsewhere (XLA's
-  CPU compiler orders each program for memory, not for concurrency).
+- `cpu_xla_flags()`: the XLA flags the launcher adds elsewhere, for a run
+  of one process (XLA's CPU compiler orders each program for memory, not
+  for concurrency); `xla_default_order_flags()`, the planner's.
 - `device_memory(devices)`: each device's peak memory, where the runtime
   reports it (`Device.memory_stats()`; the CPU reports nothing).
 - `enable_compile_cache(dir)`: JAX's persistent compilation cache.
@@ -217,9 +218,9 @@ def cpu_xla_flags() -> list[str]:
   default, to expose concurrency to its runtime at the cost of memory
   (`xla_cpu_enable_concurrency_optimized_scheduler`); the flag set here
   makes it order them depth-first, for memory. A pipeline step with a stage
-  per core runs faster so (docs/benchmark.md: 2bw at 1.81x of one core
-  against 1.66-1.68x, in the same 20 alternated rounds; the one-device
-  step's time is the same either way). XLA reads this flag from XLA_FLAGS
+  per core runs faster so (docs/benchmark.md: 2bw at 1.79x of one core
+  against 1.61x, in the same 20 alternated rounds; the one-device step's
+  time is the same either way). XLA reads this flag from XLA_FLAGS
   only: passed to `jax.jit(compiler_options=...)` it is accepted and
   compiles the same order as without it. The flag is known to XLA on every
   backend, and only its CPU compiler reads it. The launcher adds it for runs
