@@ -84,9 +84,10 @@ def prepare_devices(cfg: Config) -> None:
         deterministic=cfg.run.deterministic,
         pipelined=cfg.pipeline.schedule != "none" and cfg.pipeline.stages > 1))
   elif distributed_settings(cfg)[1] == 1:
-    # One process only: with the flag, two processes of a 2bw run (Muon with
-    # the correction, gloo collectives) hung in their first step
-    # (tests/test_distributed.py), which they do not without it.
+    # One process only: with the flag, two processes of a 2bw run (gloo
+    # collectives) that load their step from JAX's persistent compilation
+    # cache hang in their first step (compiled afresh they do not; without
+    # the flag they do neither), as tests/test_distributed.py showed.
     flags = accel.merge_xla_flags(flags, accel.cpu_xla_flags())
   if flags:
     os.environ["XLA_FLAGS"] = flags
