@@ -50,6 +50,18 @@ def wait_for(predicate, timeout: float = 120.0, interval: float = 0.01) -> bool:
   return False
 
 
+def stopped(proc: subprocess.Popen) -> bool:
+  """Whether the process has stopped: every thread stopped (T or t in /proc), a zombie, or gone."""
+  try:
+    states = []
+    for tid in os.listdir(f"/proc/{proc.pid}/task"):
+      with open(f"/proc/{proc.pid}/task/{tid}/stat") as f:
+        states.append(f.read().rsplit(")", 1)[1].split()[0])
+  except OSError:
+    return True
+  return all(s in ("T", "t", "Z") for s in states)
+
+
 def records(run_dir: str) -> list[dict]:
   """Every record of metrics.jsonl (a line that is not JSON fails the test)."""
   return runs.read_records(run_dir, strict=True)

@@ -133,15 +133,6 @@ def _start_two(run_dir, tmp_path, *args, env, tag):
   return procs
 
 
-def _stopped(proc) -> bool:
-  """Whether the process is stopped (state T in /proc) or gone."""
-  try:
-    with open(f"/proc/{proc.pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z")
-  except OSError:
-    return True
-
-
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory, cache):
   """An uninterrupted two-process run of LOST: the losses a resumed run must equal."""
@@ -177,7 +168,7 @@ def _lose_one(tmp_path, cache, victim, sig, *more):
                           timeout=300, interval=0.01)
     assert survivor.poll() is None, (tmp_path / f"lost{1 - victim}.err").read_text()
     procs[victim].send_signal(sig)
-    assert _runs.wait_for(lambda: _stopped(procs[victim]), timeout=10, interval=0.01)
+    assert _runs.wait_for(lambda: _runs.stopped(procs[victim]), timeout=10, interval=0.01)
     lost_at = time.time()
     survivor.wait(timeout=90)
     took = time.time() - lost_at

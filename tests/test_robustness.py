@@ -62,15 +62,6 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, cache, name):
                jax.device_get(resumed["state"]))
 
 
-def _stopped(pid: int) -> bool:
-  """Whether every thread of the process is stopped (state T in /proc)."""
-  states = []
-  for tid in os.listdir(f"/proc/{pid}/task"):
-    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-      states.append(f.read().rsplit(")", 1)[1].split()[0])
-  return all(s == "T" for s in states)
-
-
 def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous(tmp_path, cache):
   run_dir = str(tmp_path / "run")
   ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -90,7 +81,7 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous(tmp_path, ca
       proc.send_signal(signal.SIGSTOP)
       # The signal is delivered asynchronously: read the directory only once the
       # kernel reports every thread stopped.
-      assert _runs.wait_for(lambda: _stopped(proc.pid), timeout=10, interval=0.0005)
+      assert _runs.wait_for(lambda: _runs.stopped(proc), timeout=10, interval=0.0005)
       if partial():
         caught = True
         break

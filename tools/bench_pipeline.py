@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import os
+import re
 import statistics
 import sys
 import time
