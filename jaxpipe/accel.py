@@ -14,6 +14,9 @@
 - `cpu_xla_flags()`: the XLA flags the launcher adds elsewhere, for a run
   of one process (XLA's CPU compiler orders each program for memory, not
   for concurrency); `xla_default_order_flags()`, the planner's.
+- `tune_cpu_malloc()`: glibc's malloc told to keep the memory it gets from
+  the system, so that XLA's CPU buffers of one step do not page-fault again
+  in the next (the launcher sets it for CPU runs; `CPU_MALLOC` says how).
 - `device_memory(devices)`: each device's peak memory, where the runtime
   reports it (`Device.memory_stats()`; the CPU reports nothing).
 - `enable_compile_cache(dir)`: JAX's persistent compilation cache.
@@ -24,14 +27,16 @@ starts its backend, which is when XLA reads XLA_FLAGS.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import json
 import os
+import platform
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "StepFlops", "step_flops", "gpu_expected",
            "gpu_xla_flags", "merge_xla_flags", "cpu_xla_flags", "xla_default_order_flags",
-           "device_memory", "write_device_memory",
+           "CPU_MALLOC", "tune_cpu_malloc", "device_memory", "write_device_memory",
            "enable_compile_cache"]
 
 # Dense (no 2:4 sparsity) bfloat16 tensor-core peak in TFLOP/s per chip, keyed
@@ -237,6 +242,55 @@ def xla_default_order_flags() -> list[str]:
   planner's `--compile` figure is the larger of the two.
   """
   return [f"{_CPU_ORDER_FLAG}=true"]
+
+
+# --- the CPU's allocator --------------------------------------------------------
+
+# glibc's mallopt() parameters (malloc.h) and the values the launcher sets.
+# XLA's CPU runtime allocates each step's buffers with malloc and frees them
+# at its end. glibc serves a block of 32 MiB or more (its largest mmap
+# threshold) with its own mmap and unmaps it on free, and deletes a thread
+# arena's heap (64 MiB at most) once it is empty: either way the next step
+# gets fresh pages and takes a page fault on each 4 KiB of them (15,000 per
+# step for the benchmark's one-device step, 30,000 for its 1f1b step; 2bw,
+# whose stash is state, took none). So: no mmap of its own (M_MMAP_MAX 0),
+# no trimming below 1 GiB free at the top of the main heap
+# (M_TRIM_THRESHOLD), and a top pad of 64 MiB (M_TOP_PAD), which is also
+# what keeps an empty arena heap from being deleted. A block larger than an
+# arena heap is still mapped and unmapped by glibc each time (the
+# vocabulary of GPT-2, gpipe's M stash slots); docs/benchmark.md measures both.
+CPU_MALLOC = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 1 << 30),
+              "M_TOP_PAD": (-2, 64 << 20)}
+# glibc reads these at start; a user who sets one has chosen the allocator.
+_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+               "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")
+
+
+def tune_cpu_malloc(env: Optional[Mapping[str, str]] = None) -> Optional[dict[str, int]]:
+  """Sets glibc's malloc options `CPU_MALLOC` in this process; returns what it set, or None.
+
+  Nothing is set (None) where the C library is not glibc, or where the
+  environment already chooses malloc's behaviour (a `MALLOC_*` variable
+  glibc reads, or a `glibc.malloc.` tunable in GLIBC_TUNABLES): the user's
+  choice wins, as their XLA_FLAGS do. The options hold for the process from
+  then on; memory freed stays with it for the next step instead of going
+  back to the system.
+  """
+  env = os.environ if env is None else env
+  if any(k in env for k in _MALLOC_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+    return None
+  if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    return None
+  try:
+    mallopt = ctypes.CDLL(None).mallopt
+  except (OSError, AttributeError):
+    return None
+  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+  done = {}
+  for name, (param, value) in CPU_MALLOC.items():
+    if mallopt(param, value) == 1:  # 1: accepted
+      done[name] = value
+  return done
 
 
 # --- memory and compilation cache -------------------------------------------

@@ -72,8 +72,11 @@ def prepare_devices(cfg: Config) -> None:
   (the latency-hiding scheduler, the pipeline flags for a pipelined schedule,
   deterministic ops with run.deterministic); elsewhere, for a run of one
   process, `accel.cpu_xla_flags` (XLA's CPU compiler ordering each program
-  for memory).
-  A flag the user already put in XLA_FLAGS is kept, with its value.
+  for memory). Without a GPU it also sets glibc's malloc options
+  (`accel.tune_cpu_malloc`), so that the devices' buffers of one step do
+  not page-fault again in the next.
+  A flag the user already put in XLA_FLAGS is kept, with its value, and so
+  is malloc's behaviour where the environment sets it.
   """
   need = local_devices_needed(cfg)
   flags = os.environ.get("XLA_FLAGS", "")
@@ -83,12 +86,15 @@ def prepare_devices(cfg: Config) -> None:
     flags = accel.merge_xla_flags(flags, accel.gpu_xla_flags(
         deterministic=cfg.run.deterministic,
         pipelined=cfg.pipeline.schedule != "none" and cfg.pipeline.stages > 1))
-  elif distributed_settings(cfg)[1] == 1:
-    # One process only: with the flag, two processes of a 2bw run (gloo
-    # collectives) that load their step from JAX's persistent compilation
-    # cache hang in their first step (compiled afresh they do not; without
-    # the flag they do neither), as tests/test_distributed.py showed.
-    flags = accel.merge_xla_flags(flags, accel.cpu_xla_flags())
+  else:
+    # The devices' buffers are the host's memory, from malloc.
+    accel.tune_cpu_malloc()
+    if distributed_settings(cfg)[1] == 1:
+      # One process only: with the flag, two processes of a 2bw run (gloo
+      # collectives) that load their step from JAX's persistent compilation
+      # cache hang in their first step (compiled afresh they do not; without
+      # the flag they do neither), as tests/test_distributed.py showed.
+      flags = accel.merge_xla_flags(flags, accel.cpu_xla_flags())
   if flags:
     os.environ["XLA_FLAGS"] = flags
 

@@ -256,10 +256,18 @@ def test_bench_two_core_times_pinned_processes():
                                      processes=("2bw",), account_steps=2, settle_s=0,
                                      xla_flags="--xla_cpu_experimental_ynn_fusion_type=",
                                      compare_flags="--xla_cpu_enable_concurrency_optimized_scheduler=true",
+                                     compare_env={"MALLOC_TOP_PAD_": "131072"},
                                      log=lambda _: None)
-  assert [r["schedule"] for r in rows] == ["ceiling", "2bw", "2bw [B]", "2bw x2", "hardware"]
-  compared = rows.pop(2)
-  assert compared["target"] is None and compared["bound"] == 2.0 and len(compared["times"]) == 3
+  assert [r["schedule"] for r in rows] == ["ceiling", "2bw", "none [B]", "ceiling [B]",
+                                           "2bw [B]", "2bw x2", "hardware"]
+  none_b, ceiling_b, compared = rows.pop(2), rows.pop(2), rows.pop(2)
+  for r in (none_b, ceiling_b, compared):
+    assert r["target"] is None and len(r["times"]) == 3
+  assert (none_b["bound"], ceiling_b["bound"], compared["bound"]) == (1.0, 2.0, 2.0)
+  # [B] rows are against the reference run with B, whose own row is against the plain one.
+  assert compared["ref"] == none_b["times"] and none_b["ref"] == rows[0]["ref"]
+  assert compared["ceiling"] == ceiling_b["speedup"]
+  assert all(r["faults"] >= 0 for r in rows[:3]) and rows[3]["faults"] is None
   for r in rows:
     assert len(r["times"]) == len(r["ref"]) == 3 and min(r["times"]) > 0
     assert r["low"] <= r["q1"] <= r["speedup"] <= r["q3"] <= r["high"]
@@ -313,9 +321,16 @@ def test_two_core_workers_take_the_extra_xla_flags():
     ("--two-core", "--layers", "3"),
     ("--two-core", "--xla-flags=-O3"),
     ("--two-core", "--compare-xla-flags", "O3"),
+    ("--two-core", "--compare-env", "1BAD=x"),
+    ("--two-core", "--compare-env", "NOVALUE"),
 ])
 def test_bench_two_core_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_pipeline", *args))
+
+
+@pytest.mark.parametrize("args", [("--sizes", "x"), ("--sizes", "0"), ("--calls", "1")])
+def test_bench_malloc_bad_input_is_one_line_and_status_2(args):
+  _one_line_error(_tool("bench_malloc", *args))
 
 
 @pytest.mark.parametrize("args", [

@@ -254,6 +254,10 @@ def _check(args, shape: ModelShape) -> None:
       if bad:
         raise ValueError(f"{option} takes XLA flags such as --xla_cpu_use_xnnpack=false; "
                          f"got {bad[0]!r}")
+    bad = [v for v in args.compare_env.split() if not re.fullmatch(r"[A-Za-z_]\w*=\S*", v)]
+    if bad:
+      raise ValueError(f"--compare-env takes NAME=VALUE settings such as "
+                       f"MALLOC_TOP_PAD_=131072; got {bad[0]!r}")
     import shutil  # pylint: disable=g-import-not-at-top
     if shutil.which("taskset") is None:
       raise ValueError("--two-core pins processes with taskset, which is not installed "
@@ -337,8 +341,12 @@ def _parser() -> Parser:
   parser.add_argument("--xla-flags", default="",
                       help="two-core: XLA flags added to every process's XLA_FLAGS (default none)")
   parser.add_argument("--compare-xla-flags", default="",
-                      help="two-core: also run each schedule compiled with these XLA flags on "
-                           "top, in the same rounds (rows 'S [B]'; default none)")
+                      help="two-core: also run the reference, the ceiling and each schedule "
+                           "compiled with these XLA flags on top, in the same rounds (rows "
+                           "'S [B]'; default none)")
+  parser.add_argument("--compare-env", default="",
+                      help="two-core: NAME=VALUE settings (space-separated) in the environment "
+                           "of the [B] rows (with --compare-xla-flags or alone; default none)")
   return parser
 
 

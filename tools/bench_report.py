@@ -27,20 +27,32 @@ def two_core_table(rows: list[dict[str, Any]]) -> str:
     else:
       status = "PASS" if r["speedup"] >= r["target"] else "MISS"
       target = f">= {r['target']:.2f}x {status}"
+    name = labels.get(r["schedule"], r["schedule"])
+    if name.startswith("none ["):
+      name += " (one device, against none)"
     lines.append(
-        f"| {r['vocab']} | {labels.get(r['schedule'], r['schedule'])} | {r['ref_s']:.3f} | "
+        f"| {r['vocab']} | {name} | {r['ref_s']:.3f} | "
         f"{r['step_s']:.3f} | {r['speedup']:.2f}x | {r['q1']:.2f}-{r['q3']:.2f} | "
         f"{r['low']:.2f}-{r['high']:.2f} | {r['bound']:.2f}x | {_share(r)} | "
-        f"{target} | {r['load_before'].split('/')[0]}-{r['load_after'].split('/')[0]} |")
+        f"{target} | {_faults(r.get('faults'))} | "
+        f"{r['load_before'].split('/')[0]}-{r['load_after'].split('/')[0]} |")
   return _table(["vocabulary", "schedule", "one device s/step", "two cores s/step",
                  "speed-up (median)", "quartiles", "min-max", "bubble bound",
-                 "share of the ceiling", "target", "load (1 min)"], "llrrrrrrrll", lines)
+                 "share of the ceiling", "target", "page faults per step", "load (1 min)"],
+                "llrrrrrrrlrl", lines)
+
+
+def _faults(n: Optional[float]) -> str:
+  """A median count of page faults per step, with the memory they touched (4 KiB pages)."""
+  if n is None:
+    return "-"
+  return f"{n:,.0f} ({n * 4096 / 2**20:.0f} MiB)" if n >= 256 else f"{n:.0f}"
 
 
 def _share(row: dict[str, Any]) -> str:
   """The row's speed-up over the ceiling's speed-up x its bubble share, as a percentage."""
   ceiling = row.get("ceiling")
-  if not ceiling or row["schedule"] in ("ceiling", "hardware"):
+  if not ceiling or row["schedule"].split(" [")[0] in ("none", "ceiling", "hardware"):
     return "-"
   return f"{row['speedup'] / (ceiling * row['bound'] / 2):.0%}"
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +57,7 @@ def target(schedule: str, vocab: int, ceiling: Optional[float],
   return min(fixed, share * ceiling)
 
 
-# The suffix of the rows compiled with `--compare-xla-flags`.
+# The suffix of the rows run with `--compare-xla-flags` or `--compare-env`.
 COMPARED = " [B]"
 
 # Marks the worker's replies on its stdout, where libraries (gloo) print too.
@@ -76,12 +77,17 @@ def worker_xla_flags(devices: int, extra: str = "", *, distributed: bool = False
 def worker(spec: dict[str, Any]) -> int:
   """Runs in a pinned child process: builds one configuration, then serves commands on stdin.
 
-  `step` times one step and prints its seconds; `account N` traces N steps
-  and prints their account (`jaxpipe.account.summarise`) as one JSON line.
-  The child's XLA has one thread per device (`--xla_cpu_multi_thread_eigen=false`)
-  and the devices of its configuration; with `dist` in the spec it is one of
+  `step` times one step and prints its seconds and the page faults the
+  process took meanwhile; `account N` traces N steps and prints their
+  account (`jaxpipe.account.summarise`) as one JSON line. The child's XLA
+  has one thread per device (`--xla_cpu_multi_thread_eigen=false`) and the
+  devices of its configuration; with `dist` in the spec it is one of
   several `jax.distributed` processes (gloo collectives over loopback).
+  Its malloc is tuned as train.py's launcher tunes it for a CPU run
+  (`jaxpipe.accel.tune_cpu_malloc`), unless its environment chooses.
   """
+  from jaxpipe import accel  # pylint: disable=g-import-not-at-top
+  accel.tune_cpu_malloc()
   dist = spec.get("dist")
   devices = 1 if dist else spec["stages"] * spec["data"]
   os.environ["XLA_FLAGS"] = worker_xla_flags(devices, spec.get("xla_flags", ""),
@@ -104,21 +110,30 @@ def worker(spec: dict[str, Any]) -> int:
     if cmd[0] == "account":
       print(_REPLY, json.dumps(r.account(int(cmd[1]))), flush=True)
     else:
-      print(_REPLY, f"{r.step()[0]:.6f}", flush=True)
+      faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      seconds = r.step()[0]
+      faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+      print(_REPLY, f"{seconds:.6f} {faults}", flush=True)
   if dist:
     jax.distributed.shutdown()
   return 0
 
 
 class _Pinned:
-  """A worker process pinned to `cores`; `step()` runs one step there and returns its time."""
+  """A worker process pinned to `cores`; `step()` runs one step there and returns its time.
 
-  def __init__(self, label: str, spec: dict[str, Any], cores: str):
+  `env` is added to the worker's environment; `faults` holds the page faults
+  of each step it ran.
+  """
+
+  def __init__(self, label: str, spec: dict[str, Any], cores: str,
+               env: Optional[Mapping[str, str]] = None):
     import subprocess  # pylint: disable=g-import-not-at-top
-    self.label, self.cores = label, cores
+    self.label, self.cores, self.faults = label, cores, []
     cmd = ["taskset", "-c", cores, sys.executable, os.path.abspath(__file__),
            json.dumps(spec)]
-    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, **env} if env else None)
 
   def ready(self) -> None:
     if self._line() != "ready":
@@ -140,8 +155,10 @@ class _Pinned:
         return line[len(_REPLY) + 1:].strip()
 
   def receive(self) -> float:
-    """Waits for the step started by `send` and returns its time."""
-    return float(self._line())
+    """Waits for the step started by `send` and returns its time (its page faults to `faults`)."""
+    seconds, faults = self._line().split()
+    self.faults.append(int(faults))
+    return float(seconds)
 
   def step(self) -> float:
     """Runs one step there and returns its time."""
@@ -172,6 +189,11 @@ class _Group:
 
   def __init__(self, label: str, members: Sequence[_Pinned]):
     self.label, self.members = label, list(members)
+
+  @property
+  def faults(self) -> list[int]:
+    """Page faults of each step, all members' together."""
+    return [sum(f) for f in zip(*(m.faults for m in self.members))]
 
   def ready(self) -> None:
     for m in self.members:
@@ -228,7 +250,7 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = LABELS[1:],
              processes: Sequence[str] = ("2bw", "1f1b"), account_steps: int = 0,
              settle_s: float = 90.0, xla_flags: str = "", compare_flags: str = "",
-             log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             compare_env: Optional[Mapping[str, str]] = None, log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """Speed-up of S=2 pipelines on two cores over one device on one core, and their accounts.
 
   For each vocabulary it starts, each in its own process: the one-device
@@ -247,9 +269,13 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   per (vocabulary, configuration) with the median speed-up and its spread,
   {vocabulary: {configuration: account}}). Before timing it waits up to
   `settle_s` for the 1-minute load average to fall below 2.5. `xla_flags`
-  are added to every process's XLA_FLAGS. With `compare_flags`, each
-  schedule of `schedules` also runs compiled with those flags on top (rows
-  'S [B]', without a target), in the same rounds as the rest.
+  are added to every process's XLA_FLAGS. With `compare_flags` (XLA flags)
+  or `compare_env` (environment variables), the reference, the ceiling and
+  each schedule of `schedules` also run with those on top (rows 'S [B]',
+  without a target), in the same rounds as the rest; a [B] row's speed-up is
+  over 'none [B]', and 'none [B]''s is the reference's own speed-up from B.
+  Every row also gives the median page faults the process (both processes
+  of an 'x2' row) took per timed step.
   """
   from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   rows, accounts = [], {}
@@ -262,11 +288,16 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
         _Pinned("none", dict(base, schedule="none", stages=1, data=1), cores[0]),
         _Pinned("ceiling", dict(base, schedule="ceiling", stages=1, data=2), both)]
     workers += [_Pinned(n, dict(base, schedule=n, stages=2, data=1), both) for n in schedules]
-    if compare_flags:
+    if compare_flags or compare_env:
       from jaxpipe import accel  # pylint: disable=g-import-not-at-top
-      other = accel.merge_xla_flags(compare_flags, xla_flags.split())
-      workers += [_Pinned(f"{n}{COMPARED}", dict(base, schedule=n, stages=2, data=1,
-                                                 xla_flags=other), both) for n in schedules]
+      other = dict(base, xla_flags=accel.merge_xla_flags(compare_flags, xla_flags.split()))
+      workers += [
+          _Pinned(f"none{COMPARED}", dict(other, schedule="none", stages=1, data=1), cores[0],
+                  compare_env),
+          _Pinned(f"ceiling{COMPARED}", dict(other, schedule="ceiling", stages=1, data=2), both,
+                  compare_env)]
+      workers += [_Pinned(f"{n}{COMPARED}", dict(other, schedule=n, stages=2, data=1), both,
+                          compare_env) for n in schedules]
     workers += [_processes(f"{n} x2", base, n, cores) for n in processes]
     # A second reference on the other core: stepped together with the first,
     # it shows what the two cores give two processes that share nothing.
@@ -283,6 +314,7 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
       log(f"  vocab {vocab}: {len(workers)} configurations compiled; timing {pairs} rounds "
           f"(load {timing_load})")
       times: dict[str, list[float]] = {w.label: [] for w in workers}
+      faults: dict[str, list[int]] = {w.label: [] for w in workers}
       times["hardware"] = []
       for i in range(warmup + pairs):
         order = workers[i % len(workers):] + workers[:i % len(workers)]
@@ -290,6 +322,7 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
           t = w.step()
           if i >= warmup:
             times[w.label].append(t)
+            faults[w.label].append(w.faults[-1])
         together = _step_together(workers[0], twin)
         if i >= warmup:
           times["hardware"].append(together)
@@ -301,27 +334,32 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
     finally:
       for w in workers + [twin]:
         w.close()
-    ref = times["none"]
-    ceiling = None
+    ceilings: dict[str, float] = {}
     for name in [w.label for w in workers[1:]] + ["hardware"]:
+      # A [B] row against the reference run with B; 'none [B]' against the plain one.
+      suffix = COMPARED if name.endswith(COMPARED) else ""
+      ref = times["none" + suffix if name != f"none{COMPARED}" else "none"]
       ratio = sorted(a / b for a, b in zip(ref, times[name]))
-      if name in ("ceiling", "hardware"):
-        bub = 0.0
-      else:
-        plain, v = parse_label(name.removesuffix(" x2").removesuffix(COMPARED))
+      plain = name.removesuffix(" x2").removesuffix(COMPARED)
+      bub = 0.0
+      if plain not in ("none", "ceiling", "hardware"):
+        plain, v = parse_label(plain)
         bub = facts(plain, 2, num_microbatches, v).bubble
       # The ceiling's devices and the twin do the reference's work, so their
       # ratio is a parallel efficiency; 2x that is what two devices gave.
-      scale = 2.0 if name in ("ceiling", "hardware") else 1.0
+      scale = 2.0 if plain in ("ceiling", "hardware") else 1.0
       speedup = scale * statistics.median(ratio)
-      if name == "ceiling":
-        ceiling = speedup
+      if plain == "ceiling":
+        ceilings[suffix] = speedup
+      ceiling = ceilings.get(suffix)
       rows.append({
           "vocab": vocab, "schedule": name, "ref_s": statistics.median(ref),
           "step_s": statistics.median(times[name]),
+          "faults": statistics.median(faults[name]) if name in faults else None,
           "speedup": speedup, "low": scale * ratio[0],
           "high": scale * ratio[-1], "q1": scale * ratio[len(ratio) // 4],
-          "q3": scale * ratio[(3 * len(ratio)) // 4], "bound": 2.0 * (1.0 - bub),
+          "q3": scale * ratio[(3 * len(ratio)) // 4],
+          "bound": 1.0 if plain == "none" else 2.0 * (1.0 - bub),
           "ceiling": ceiling,
           "target": None if name.endswith(COMPARED) else target(name, vocab, ceiling, bub),
           "times": times[name], "ref": ref,
@@ -349,8 +387,8 @@ def run(args, shape: ModelShape) -> int:
             f"2 devices) pinned to cores {args.cores}; one XLA thread per device; "
             f"{args.pairs} timed rounds after {args.warmup} warm-up; jax {jax.__version__}; "
             f"extra XLA flags: {args.xla_flags or 'none'}"
-            + (f"; rows{COMPARED} also with {args.compare_xla_flags}"
-               if args.compare_xla_flags else ""),
+            + (f"; rows{COMPARED} also with {args.compare_xla_flags} {args.compare_env}"
+               if args.compare_xla_flags or args.compare_env else ""),
             f"load average (1/5/15 min) at start: {load_before}"]
   for line in header:
     log(line)
@@ -361,7 +399,9 @@ def run(args, shape: ModelShape) -> int:
                                          if n != "none"],
                               processes=args.processes, account_steps=args.account,
                               xla_flags=args.xla_flags,
-                              compare_flags=args.compare_xla_flags, log=log)
+                              compare_flags=args.compare_xla_flags,
+                              compare_env=dict(v.split("=", 1) for v in args.compare_env.split()),
+                              log=log)
   except RuntimeError as e:
     print(f"bench_pipeline: {e}", file=sys.stderr)
     return 1
