@@ -258,8 +258,11 @@ def test_bench_two_core_times_pinned_processes():
                                      compare_flags="--xla_cpu_enable_concurrency_optimized_scheduler=true",
                                      compare_env={"MALLOC_TOP_PAD_": "131072"},
                                      log=lambda _: None)
-  assert [r["schedule"] for r in rows] == ["ceiling", "2bw", "none [B]", "ceiling [B]",
+  assert [r["schedule"] for r in rows] == ["none", "ceiling", "2bw", "none [B]", "ceiling [B]",
                                            "2bw [B]", "2bw x2", "hardware"]
+  reference = rows.pop(0)
+  assert reference["speedup"] == 1.0 and reference["target"] is None
+  assert reference["bound"] == 1.0 and reference["faults"] >= 0
   none_b, ceiling_b, compared = rows.pop(2), rows.pop(2), rows.pop(2)
   for r in (none_b, ceiling_b, compared):
     assert r["target"] is None and len(r["times"]) == 3

@@ -3,7 +3,7 @@
 
 A jitted function whose only large buffer is a temporary (the [n, n] float32
 product t = x @ x.T of an [n, 8] input, of which it returns the sum of
-t + t.T) is called again and again on one
+t + t.T; XLA's temporary block for it is twice t) is called again and again on one
 CPU device; each call's temporary is malloc'ed and freed by XLA's runtime.
 For each size it runs in a fresh process twice: with glibc's malloc as it
 comes, and as `train.py` sets it for a CPU run (`jaxpipe.accel.tune_cpu_malloc`).
@@ -11,7 +11,7 @@ It prints, per size and setting, the median time of a call and the median
 page faults the process took per call (each a 4 KiB page the kernel zeroed).
 A pipeline step does the same with its buffers (docs/benchmark.md).
 
-  .venv/bin/python tools/bench_malloc.py --sizes 16,48,96,256 --calls 20
+  taskset -c 0 .venv/bin/python tools/bench_malloc.py --calls 20
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def _sizes(text: str) -> list[int]:
 
 def main(argv=None) -> int:
   parser = Parser(prog="bench_malloc", description=__doc__.split("\n")[0])
-  parser.add_argument("--sizes", type=_sizes, default=[16, 48, 96, 256],
-                      help="MiB of the temporary buffer, comma-separated (default 16,48,96,256)")
+  parser.add_argument("--sizes", type=_sizes, default=[8, 16, 24, 48, 96],
+                      help="MiB of t, comma-separated (default 8,16,24,48,96)")
   parser.add_argument("--calls", type=int, default=20, help="timed calls per process (default 20)")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -92,12 +92,14 @@ def main(argv=None) -> int:
     return 2
   print(f"load average: {'/'.join(f'{v:.2f}' for v in os.getloadavg())}; {args.calls} calls "
         "after 3 warm-up, one device, one XLA thread\n")
-  print("| temporary (MiB) | malloc | ms per call (median) | page faults per call (median) |")
-  print("|---:|---|---:|---:|")
+  print("| t (MiB) | malloc | ms per call (median) | page faults per call (median) | "
+        "MiB faulted in per call |")
+  print("|---:|---|---:|---:|---:|")
   for size in args.sizes:
     for mode in MODES:
       r = measure(size, args.calls, mode == "tuned")
-      print(f"| {size} | {mode} | {r['ms']:.2f} | {r['faults']:,.0f} |", flush=True)
+      print(f"| {size} | {mode} | {r['ms']:.2f} | {r['faults']:,.0f} | "
+            f"{r['faults'] * 4096 / 2**20:.0f} |", flush=True)
   return 0
 
 

@@ -277,7 +277,6 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   Every row also gives the median page faults the process (both processes
   of an 'x2' row) took per timed step.
   """
-  from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   rows, accounts = [], {}
   both = ",".join(cores)
   for vocab in vocabs:
@@ -334,37 +333,52 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
     finally:
       for w in workers + [twin]:
         w.close()
-    ceilings: dict[str, float] = {}
-    for name in [w.label for w in workers[1:]] + ["hardware"]:
-      # A [B] row against the reference run with B; 'none [B]' against the plain one.
-      suffix = COMPARED if name.endswith(COMPARED) else ""
-      ref = times["none" + suffix if name != f"none{COMPARED}" else "none"]
-      ratio = sorted(a / b for a, b in zip(ref, times[name]))
-      plain = name.removesuffix(" x2").removesuffix(COMPARED)
-      bub = 0.0
-      if plain not in ("none", "ceiling", "hardware"):
-        plain, v = parse_label(plain)
-        bub = facts(plain, 2, num_microbatches, v).bubble
-      # The ceiling's devices and the twin do the reference's work, so their
-      # ratio is a parallel efficiency; 2x that is what two devices gave.
-      scale = 2.0 if plain in ("ceiling", "hardware") else 1.0
-      speedup = scale * statistics.median(ratio)
-      if plain == "ceiling":
-        ceilings[suffix] = speedup
-      ceiling = ceilings.get(suffix)
-      rows.append({
-          "vocab": vocab, "schedule": name, "ref_s": statistics.median(ref),
-          "step_s": statistics.median(times[name]),
-          "faults": statistics.median(faults[name]) if name in faults else None,
-          "speedup": speedup, "low": scale * ratio[0],
-          "high": scale * ratio[-1], "q1": scale * ratio[len(ratio) // 4],
-          "q3": scale * ratio[(3 * len(ratio)) // 4],
-          "bound": 1.0 if plain == "none" else 2.0 * (1.0 - bub),
-          "ceiling": ceiling,
-          "target": None if name.endswith(COMPARED) else target(name, vocab, ceiling, bub),
-          "times": times[name], "ref": ref,
-          "load_before": timing_load, "load_after": load()})
+    rows += _rows(vocab, [w.label for w in workers] + ["hardware"], times, faults,
+                  num_microbatches, timing_load)
   return rows, accounts
+
+
+def _rows(vocab: int, names: Sequence[str], times: Mapping[str, list[float]],
+          faults: Mapping[str, list[int]], num_microbatches: int,
+          timing_load: str) -> list[dict[str, Any]]:
+  """One row per configuration of one vocabulary: its speed-up over the reference and spread.
+
+  A `[B]` row is against the reference run with B, and 'none [B]' against
+  the plain reference; each `[B]` row's target is None.
+  """
+  from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
+  rows: list[dict[str, Any]] = []
+  ceilings: dict[str, float] = {}
+  for name in names:
+    # A [B] row against the reference run with B; 'none [B]' against the plain one.
+    suffix = COMPARED if name.endswith(COMPARED) else ""
+    ref = times["none" + suffix if name != f"none{COMPARED}" else "none"]
+    ratio = sorted(a / b for a, b in zip(ref, times[name]))
+    plain = name.removesuffix(" x2").removesuffix(COMPARED)
+    bub = 0.0
+    if plain not in ("none", "ceiling", "hardware"):
+      plain, v = parse_label(plain)
+      bub = facts(plain, 2, num_microbatches, v).bubble
+    # The ceiling's devices and the twin do the reference's work, so their
+    # ratio is a parallel efficiency; 2x that is what two devices gave.
+    scale = 2.0 if plain in ("ceiling", "hardware") else 1.0
+    speedup = scale * statistics.median(ratio)
+    if plain == "ceiling":
+      ceilings[suffix] = speedup
+    ceiling = ceilings.get(suffix)
+    rows.append({
+        "vocab": vocab, "schedule": name, "ref_s": statistics.median(ref),
+        "step_s": statistics.median(times[name]),
+        "faults": statistics.median(faults[name]) if name in faults else None,
+        "speedup": speedup, "low": scale * ratio[0],
+        "high": scale * ratio[-1], "q1": scale * ratio[len(ratio) // 4],
+        "q3": scale * ratio[(3 * len(ratio)) // 4],
+        "bound": 1.0 if plain == "none" else 2.0 * (1.0 - bub),
+        "ceiling": ceiling,
+        "target": None if name.endswith(COMPARED) else target(name, vocab, ceiling, bub),
+        "times": times[name], "ref": ref,
+        "load_before": timing_load, "load_after": load()})
+  return rows
 
 
 def run(args, shape: ModelShape) -> int:
