@@ -285,6 +285,7 @@ def tune_cpu_malloc(env: Optional[Mapping[str, str]] = None) -> Optional[dict[st
     mallopt = ctypes.CDLL(None).mallopt
   except (OSError, AttributeError):
     return None
+  # By hand, through ctypes: neither the standard library nor a package binds mallopt.
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   done = {}
   for name, (param, value) in CPU_MALLOC.items():
