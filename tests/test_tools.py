@@ -256,7 +256,7 @@ def test_bench_two_core_times_pinned_processes():
                                      processes=("2bw",), account_steps=2, settle_s=0,
                                      xla_flags="--xla_cpu_experimental_ynn_fusion_type=",
                                      compare_flags="--xla_cpu_enable_concurrency_optimized_scheduler=true",
-                                     compare_env={"MALLOC_TOP_PAD_": "131072"},
+                                     compare_env={"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"},
                                      log=lambda _: None)
   assert [r["schedule"] for r in rows] == ["none", "ceiling", "2bw", "none [B]", "ceiling [B]",
                                            "2bw [B]", "2bw x2", "hardware"]

@@ -257,7 +257,7 @@ def _check(args, shape: ModelShape) -> None:
     bad = [v for v in args.compare_env.split() if not re.fullmatch(r"[A-Za-z_]\w*=\S*", v)]
     if bad:
       raise ValueError(f"--compare-env takes NAME=VALUE settings such as "
-                       f"MALLOC_TOP_PAD_=131072; got {bad[0]!r}")
+                       f"GLIBC_TUNABLES=glibc.malloc.tcache_count=7; got {bad[0]!r}")
     import shutil  # pylint: disable=g-import-not-at-top
     if shutil.which("taskset") is None:
       raise ValueError("--two-core pins processes with taskset, which is not installed "

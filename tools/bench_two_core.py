@@ -122,14 +122,14 @@ def worker(spec: dict[str, Any]) -> int:
 class _Pinned:
   """A worker process pinned to `cores`; `step()` runs one step there and returns its time.
 
-  `env` is added to the worker's environment; `faults` holds the page faults
-  of each step it ran.
+  `env` is added to the worker's environment; `faults` is the page faults of
+  the last step it ran.
   """
 
   def __init__(self, label: str, spec: dict[str, Any], cores: str,
                env: Optional[Mapping[str, str]] = None):
     import subprocess  # pylint: disable=g-import-not-at-top
-    self.label, self.cores, self.faults = label, cores, []
+    self.label, self.cores, self.faults = label, cores, 0
     cmd = ["taskset", "-c", cores, sys.executable, os.path.abspath(__file__),
            json.dumps(spec)]
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -155,9 +155,9 @@ class _Pinned:
         return line[len(_REPLY) + 1:].strip()
 
   def receive(self) -> float:
-    """Waits for the step started by `send` and returns its time (its page faults to `faults`)."""
+    """Waits for the step started by `send` and returns its time (its page faults: `faults`)."""
     seconds, faults = self._line().split()
-    self.faults.append(int(faults))
+    self.faults = int(faults)
     return float(seconds)
 
   def step(self) -> float:
@@ -191,9 +191,9 @@ class _Group:
     self.label, self.members = label, list(members)
 
   @property
-  def faults(self) -> list[int]:
-    """Page faults of each step, all members' together."""
-    return [sum(f) for f in zip(*(m.faults for m in self.members))]
+  def faults(self) -> int:
+    """Page faults of the last step, all members' together."""
+    return sum(m.faults for m in self.members)
 
   def ready(self) -> None:
     for m in self.members:
@@ -250,7 +250,8 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = LABELS[1:],
              processes: Sequence[str] = ("2bw", "1f1b"), account_steps: int = 0,
              settle_s: float = 90.0, xla_flags: str = "", compare_flags: str = "",
-             compare_env: Optional[Mapping[str, str]] = None, log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             compare_env: Optional[Mapping[str, str]] = None,
+             log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """Speed-up of S=2 pipelines on two cores over one device on one core, and their accounts.
 
   For each vocabulary it starts, each in its own process: the one-device
@@ -321,7 +322,7 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
           t = w.step()
           if i >= warmup:
             times[w.label].append(t)
-            faults[w.label].append(w.faults[-1])
+            faults[w.label].append(w.faults)
         together = _step_together(workers[0], twin)
         if i >= warmup:
           times["hardware"].append(together)
@@ -401,7 +402,8 @@ def run(args, shape: ModelShape) -> int:
             f"2 devices) pinned to cores {args.cores}; one XLA thread per device; "
             f"{args.pairs} timed rounds after {args.warmup} warm-up; jax {jax.__version__}; "
             f"extra XLA flags: {args.xla_flags or 'none'}"
-            + (f"; rows{COMPARED} also with {args.compare_xla_flags} {args.compare_env}"
+            + (f"; rows{COMPARED} also with "
+               + " ".join(filter(None, (args.compare_xla_flags, args.compare_env)))
                if args.compare_xla_flags or args.compare_env else ""),
             f"load average (1/5/15 min) at start: {load_before}"]
   for line in header:
