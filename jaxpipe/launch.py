@@ -127,7 +127,32 @@ def start(cfg: Config) -> None:
       # SLURM: everything else from the job's environment.
       jax.distributed.initialize(local_device_ids=ids, **timeouts)
     watch_peers(cfg)
-  check_devices(cfg, jax.devices())
+  before = accel.thread_ids()
+  devices = jax.devices()  # JAX's backend starts here, with gloo's I/O thread
+  if num > 1 and cfg.dist.idle_io_thread and devices[0].platform == "cpu":
+    idle_gloo_thread(accel.thread_ids() - before, len(jax.local_devices()), pid)
+  check_devices(cfg, devices)
+
+
+def idle_gloo_thread(new_threads: set[int], local_devices: int, pid: int) -> list[int]:
+  """Runs the collectives' I/O thread idle-class where this process's cores all serve devices.
+
+  `new_threads`: the threads that appeared while JAX's CPU backend started.
+  Only where the process may use no more cores than it has devices (one
+  pinned core per device, the layout of a process per stage and core): there
+  the I/O thread shares a core with a device's thread. Says on stderr which
+  threads it set; returns them.
+  """
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+  if cores is None or cores > local_devices:
+    return []
+  done = accel.idle_io_threads(new_threads)
+  if done:
+    print(f"process {pid}: collectives' I/O thread{'s' if len(done) > 1 else ''} "
+          f"{','.join(map(str, done))} run idle-class ({cores} core{'s' if cores > 1 else ''} "
+          f"for {local_devices} device{'s' if local_devices > 1 else ''}; dist.idle_io_thread)",
+          file=sys.stderr, flush=True)
+  return done
 
 
 def watch_peers(cfg: Config) -> None:

@@ -173,6 +173,51 @@ def test_tuned_malloc_keeps_a_steps_buffers_for_the_next():
   assert tuned["faults"] < plain["faults"] / 20, (plain, tuned)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc and SCHED_IDLE")
+def test_only_a_thread_waiting_in_epoll_is_made_idle_class():
+  """gloo's event loop waits in epoll; XLA's threads on futexes: only the first yields its core."""
+  import select  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  stop, ids = threading.Event(), {}
+  poller = select.epoll()
+
+  def in_epoll():
+    ids["epoll"] = threading.get_native_id()
+    while not stop.is_set():
+      poller.poll(0.05)
+
+  def on_futex():
+    ids["futex"] = threading.get_native_id()
+    stop.wait()
+
+  threads = [threading.Thread(target=in_epoll), threading.Thread(target=on_futex)]
+  for t in threads:
+    t.start()
+  try:
+    while len(ids) < 2:
+      stop.wait(0.01)
+    assert ids["epoll"] in accel.thread_ids() and ids["futex"] in accel.thread_ids()
+    done = accel.idle_io_threads({ids["epoll"], ids["futex"]})
+    assert done == [ids["epoll"]]
+    assert os.sched_getscheduler(ids["epoll"]) == os.SCHED_IDLE
+    assert os.sched_getscheduler(ids["futex"]) == os.SCHED_OTHER
+  finally:
+    stop.set()
+    for t in threads:
+      t.join()
+    poller.close()
+
+
+def test_launcher_idles_the_io_thread_only_where_every_core_serves_a_device(monkeypatch):
+  seen = []
+  monkeypatch.setattr(accel, "idle_io_threads", lambda tids: seen.append(set(tids)) or sorted(tids))
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+  assert launch.idle_gloo_thread({7}, 1, 0) == [] and not seen  # a spare core: left alone
+  assert launch.idle_gloo_thread({7}, 2, 0) == [7] and seen == [{7}]
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+  assert launch.idle_gloo_thread({8, 9}, 1, 0) == [8, 9]
+
+
 def test_gpu_flags_are_known_to_xla_and_inert_on_the_cpu():
   # XLA aborts on a flag it does not know ("Unknown flag in XLA_FLAGS"): every flag the
   # launcher may set must parse, and a CPU run with them computes as without.

@@ -8,6 +8,8 @@ within seconds, with one line and EXIT_LOST, and the rerun continues exactly.
 """
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,12 +39,16 @@ def _two_device_env(cache, devices=2, **extra):
   return env
 
 
-def _run_two(run_dir, *args, envs):
-  """Runs the two processes of a loopback job; returns their (stdout, stderr)."""
+def _run_two(run_dir, *args, envs, pins=None):
+  """Runs the two processes of a loopback job; returns their (stdout, stderr).
+
+  `pins`: each process's CPU core, set with taskset.
+  """
   port = _free_port()
   procs = [subprocess.Popen(
-      _runs.command(run_dir, *args, f"dist.coordinator=127.0.0.1:{port}", "dist.num_processes=2",
-                    f"dist.process_id={i}"),
+      (["taskset", "-c", str(pins[i])] if pins else [])
+      + _runs.command(run_dir, *args, f"dist.coordinator=127.0.0.1:{port}",
+                      "dist.num_processes=2", f"dist.process_id={i}"),
       env=envs[i], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_runs.ROOT)
            for i in range(2)]
   outs = []
@@ -109,6 +115,30 @@ def test_data_across_nodes_with_local_ranks(tmp_path, cache):
   a, b = _runs.train_losses(single), _runs.train_losses(multi)
   assert sorted(a) == sorted(b) == [0, 1]
   assert [b[k] for k in range(2)] == pytest.approx([a[k] for k in range(2)], rel=1e-6, abs=0)
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs taskset and two cores")
+def test_a_process_per_core_runs_the_io_thread_idle_class(tmp_path, cache):
+  """A stage and a core per process: gloo's I/O thread yields its core; the losses hold."""
+  args = ("pipeline.schedule=2bw", "pipeline.stages=2", "mesh.data=1", "run.steps=2",
+          "checkpoint.every=0", "optimizer.name=muon", "optimizer.error_feedback=1")
+  single = str(tmp_path / "single")
+  assert _runs.run(single, *args, cache_dir=cache).returncode == 0
+  pins = sorted(os.sched_getaffinity(0))[:2]
+  env = _two_device_env(cache, devices=1)
+  multi = str(tmp_path / "multi")
+  outs = _run_two(multi, *args, envs=[env, env], pins=pins)
+  for i in range(2):
+    assert re.search(rf"process {i}: collectives' I/O threads? [0-9,]+ run idle-class "
+                     r"\(1 core for 1 device; dist.idle_io_thread\)", outs[i][1]), outs[i][1]
+  a, b = _runs.train_losses(single), _runs.train_losses(multi)
+  assert [b[k] for k in range(2)] == pytest.approx([a[k] for k in range(2)], rel=1e-6, abs=0)
+  # Turned off, the launcher leaves it alone (a spare core: test_accel).
+  off = _run_two(str(tmp_path / "off"), *args, "dist.idle_io_thread=false", envs=[env, env],
+                 pins=pins)
+  assert not any("idle-class" in err for _, err in off)
+  assert _runs.train_losses(str(tmp_path / "off")) == b
 
 
 # A pipeline over the two processes, a stage (one device) each: every tick's

@@ -11,11 +11,14 @@ activation, 2 x 64 x 256 float32 = 128 KiB; the softmax statistics of a
 microbatch, 2 x 64 x 3; a block's weight gradient, 256 x 704 = 704 KiB),
 jitted under `shard_map` over two devices and timed `--reps` times
 (median and quartiles of the wall time of one call, `block_until_ready`
-included). It runs twice, each time pinned to two cores with one XLA thread
-per device: two emulated devices in one process (XLA's in-process CPU
-collectives), and two `jax.distributed` processes, one device and one core
-each, on loopback (gloo, as in the benchmark's 'x2' rows). Bad input exits
-with status 2 and one line on stderr.
+included). It runs three times, each time pinned to two cores with one XLA
+thread per device: two emulated devices in one process (XLA's in-process CPU
+collectives), and twice two `jax.distributed` processes, one device and one
+core each, on loopback (gloo, as in the benchmark's 'x2' rows): with gloo's
+I/O thread at the normal scheduling class, as JAX leaves it, and idle-class,
+as train.py's launcher sets it for a process per core
+(`jaxpipe.accel.idle_io_threads`). Bad input exits with status 2 and one
+line on stderr.
 """
 
 from __future__ import annotations
@@ -50,12 +53,16 @@ def _worker(spec: dict) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxpipe import accel  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   if dist:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=dist["coordinator"], num_processes=2,
                                process_id=dist["process_id"])
+  before = accel.thread_ids()
   mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
+  if dist and dist.get("idle_io"):
+    accel.idle_io_threads(accel.thread_ids() - before)
   split = NamedSharding(mesh, P("stage"))
   bodies = {"ppermute": lambda x: jax.lax.ppermute(x, "stage", [(0, 1), (1, 0)]),
             "psum": lambda x: jax.lax.psum(x, "stage"),
@@ -83,12 +90,17 @@ def _worker(spec: dict) -> None:
     jax.distributed.shutdown()
 
 
-def _run(cores: tuple[str, str], reps: int, processes: bool) -> dict:
-  """{op | payload: [q1, median, q3] microseconds}, one process or two."""
+def _run(cores: tuple[str, str], reps: int, processes: bool, idle_io: bool = False) -> dict:
+  """{op | payload: [q1, median, q3] microseconds}, one process or two.
+
+  `idle_io`: the two processes run gloo's I/O thread idle-class, as train.py
+  does for a process per core (`jaxpipe.accel.idle_io_threads`).
+  """
   me = os.path.abspath(__file__)
   if processes:
     coordinator = f"127.0.0.1:{free_port()}"
-    specs = [({"reps": reps, "dist": {"coordinator": coordinator, "process_id": i}}, core)
+    specs = [({"reps": reps, "dist": {"coordinator": coordinator, "process_id": i,
+                                      "idle_io": idle_io}}, core)
              for i, core in enumerate(cores)]
   else:
     specs = [({"reps": reps}, ",".join(cores))]
@@ -130,18 +142,23 @@ def main(argv: Optional[list[str]] = None) -> int:
   load_at_start = load()
   try:
     one, two = _run(cores, args.reps, False), _run(cores, args.reps, True)
+    idle = _run(cores, args.reps, True, idle_io=True)
   except (RuntimeError, subprocess.TimeoutExpired) as e:
     print(f"bench_collectives: {e}", file=sys.stderr)
     return 1
   lines = [f"{args.reps} calls each, pinned to cores {args.cores}; load average at start {load_at_start}, "
            f"at end {load()}", "",
            "| collective | payload | one process, 2 devices: median us (quartiles) "
-           "| two gloo processes: median us (quartiles) | ratio |", "|---|---|---:|---:|---:|"]
+           "| two gloo processes, I/O thread as it comes | ratio "
+           "| two gloo processes, I/O thread idle-class (train.py) | ratio |",
+           "|---|---|---:|---:|---:|---:|---:|"]
   for key, (q1, med, q3) in one.items():
-    g1, gmed, g3 = two[key]
+    cells = []
+    for other in (two, idle):
+      g1, gmed, g3 = other[key]
+      cells.append(f"{gmed:.0f} ({g1:.0f}-{g3:.0f}) | {gmed / med:.1f}x")
     op, payload = key.split(" | ")
-    lines.append(f"| {op} | {payload} | {med:.0f} ({q1:.0f}-{q3:.0f}) | "
-                 f"{gmed:.0f} ({g1:.0f}-{g3:.0f}) | {gmed / med:.1f}x |")
+    lines.append(f"| {op} | {payload} | {med:.0f} ({q1:.0f}-{q3:.0f}) | " + " | ".join(cells) + " |")
   text = "\n".join(lines)
   print(text)
   if args.out_md:

@@ -59,6 +59,9 @@ def target(schedule: str, vocab: int, ceiling: Optional[float],
 
 # The suffix of the rows run with `--compare-xla-flags` or `--compare-env`.
 COMPARED = " [B]"
+# A worker of a 'x2' row leaves gloo's I/O thread at the normal class with
+# this set to "normal" (for --compare-env; train.py's key: dist.idle_io_thread).
+IO_THREAD_ENV = "JAXPIPE_BENCH_IO_THREAD"
 
 # Marks the worker's replies on its stdout, where libraries (gloo) print too.
 _REPLY = "@jaxpipe-bench"
@@ -99,6 +102,11 @@ def worker(spec: dict[str, Any]) -> int:
     jax.distributed.initialize(coordinator_address=dist["coordinator"],
                                num_processes=dist["num_processes"],
                                process_id=dist["process_id"])
+    before = accel.thread_ids()
+    jax.devices()
+    if os.environ.get(IO_THREAD_ENV) != "normal":
+      # As train.py's launcher does (dist.idle_io_thread): one core per process.
+      accel.idle_io_threads(accel.thread_ids() - before)
   shape = ModelShape(**spec["shape"])
   if spec["schedule"] == "ceiling":
     r = CeilingRunner(shape, spec["microbatches"], spec["data"])
@@ -229,12 +237,12 @@ class _Group:
       m.close()
 
 
-def _processes(label: str, base: dict[str, Any], schedule: str,
-               cores: tuple[str, str]) -> _Group:
+def _processes(label: str, base: dict[str, Any], schedule: str, cores: tuple[str, str],
+               env: Optional[Mapping[str, str]] = None) -> _Group:
   """`schedule` with two stages as two jax.distributed processes, one per core."""
   coordinator = f"127.0.0.1:{free_port()}"
   members = [_Pinned(f"{label} p{i}", dict(base, schedule=schedule, stages=2, data=1, dist={
-      "coordinator": coordinator, "num_processes": 2, "process_id": i}), core)
+      "coordinator": coordinator, "num_processes": 2, "process_id": i}), core, env)
              for i, core in enumerate(cores)]
   return _Group(label, members)
 
@@ -299,6 +307,9 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
       workers += [_Pinned(f"{n}{COMPARED}", dict(other, schedule=n, stages=2, data=1), both,
                           compare_env) for n in schedules]
     workers += [_processes(f"{n} x2", base, n, cores) for n in processes]
+    if compare_flags or compare_env:
+      workers += [_processes(f"{n} x2{COMPARED}", other, n, cores, compare_env)
+                  for n in processes]
     # A second reference on the other core: stepped together with the first,
     # it shows what the two cores give two processes that share nothing.
     twin = _Pinned("twin", dict(base, schedule="none", stages=1, data=1), cores[1])
@@ -355,7 +366,7 @@ def _rows(vocab: int, names: Sequence[str], times: Mapping[str, list[float]],
     suffix = COMPARED if name.endswith(COMPARED) else ""
     ref = times["none" + suffix if name != f"none{COMPARED}" else "none"]
     ratio = sorted(a / b for a, b in zip(ref, times[name]))
-    plain = name.removesuffix(" x2").removesuffix(COMPARED)
+    plain = name.removesuffix(COMPARED).removesuffix(" x2")
     bub = 0.0
     if plain not in ("none", "ceiling", "hardware"):
       plain, v = parse_label(plain)
