@@ -165,12 +165,22 @@ def test_tuned_malloc_keeps_a_steps_buffers_for_the_next():
   import platform  # pylint: disable=g-import-not-at-top
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     pytest.skip("malloc is tuned on glibc only")
-  plain, tuned = _faults_per_call(False), _faults_per_call(True)
+  plain = _faults_per_call(False)
   assert plain["tuned"] is None
-  assert tuned["tuned"] == {k: v for k, (_, v) in accel.CPU_MALLOC.items()}
-  # glibc's defaults map the 16 MiB temporary afresh each call (4 KiB a fault).
+  # glibc's defaults map the 32 MiB temporary block afresh each call (4 KiB a fault).
   assert plain["faults"] > 2000, plain
-  assert tuned["faults"] < plain["faults"] / 20, (plain, tuned)
+  # Tuned, a process keeps it. Which arena serves the block is glibc's choice:
+  # with both cores busy, one process in about six took the faults anyway
+  # (docs/benchmark.md), so up to three processes are asked; with glibc's
+  # defaults none of them could keep it.
+  tries = []
+  for _ in range(3):
+    tries.append(_faults_per_call(True))
+    assert tries[-1]["tuned"] == {k: v for k, (_, v) in accel.CPU_MALLOC.items()}
+    if tries[-1]["faults"] < plain["faults"] / 20:
+      break
+  else:
+    pytest.fail(f"no tuned process kept its block: {plain} {tries}")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc and SCHED_IDLE")
