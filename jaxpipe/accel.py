@@ -17,9 +17,11 @@
 - `tune_cpu_malloc()`: glibc's malloc told to keep the memory it gets from
   the system, so that XLA's CPU buffers of one step do not page-fault again
   in the next (the launcher sets it for CPU runs; `CPU_MALLOC` says how).
-- `thread_ids()` and `idle_io_threads(tids)`: a multi-process CPU run's
-  collective I/O thread (gloo's event loop) run only when its core is
-  otherwise idle, so that it does not hold a core its device's thread needs.
+- `start_backend()`, `epoll_threads(tids)` and `make_idle_class(tids)`: the
+  threads JAX's backend starts, the one among them that waits in epoll
+  (gloo's event loop in a multi-process CPU run), and Linux's idle
+  scheduling class for it, so that it does not hold a core its device's
+  thread needs (`jaxpipe.launch.idle_io_thread` decides where).
 - `device_memory(devices)`: each device's peak memory, where the runtime
   reports it (`Device.memory_stats()`; the CPU reports nothing).
 - `enable_compile_cache(dir)`: JAX's persistent compilation cache.
@@ -36,12 +38,12 @@ import json
 import os
 import platform
 import time
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Collection, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "StepFlops", "step_flops", "gpu_expected",
            "gpu_xla_flags", "merge_xla_flags", "cpu_xla_flags", "xla_default_order_flags",
-           "CPU_MALLOC", "tune_cpu_malloc", "device_memory", "write_device_memory",
-           "enable_compile_cache"]
+           "CPU_MALLOC", "tune_cpu_malloc", "thread_ids", "start_backend", "epoll_threads",
+           "make_idle_class", "device_memory", "write_device_memory", "enable_compile_cache"]
 
 # Dense (no 2:4 sparsity) bfloat16 tensor-core peak in TFLOP/s per chip, keyed
 # by the exact `device_kind` JAX reports. NVIDIA's datasheets print the
@@ -301,15 +303,16 @@ def tune_cpu_malloc(env: Optional[Mapping[str, str]] = None) -> Optional[dict[st
 # --- the CPU collectives' I/O thread ------------------------------------------
 
 # Several processes on the CPU exchange their collectives through gloo, whose
-# TCP transport runs an event loop on a thread of its own (epoll). While a
-# collective is in flight that thread stays runnable, polling; where it
-# shares its core with the device's thread (a process pinned to as many
-# cores as it has devices), the scheduler lets the poller run out its slice
-# before the woken device thread gets the core back, so every collective
-# took one scheduler tick (4.0 ms at 250 Hz for any all-reduce, against
-# 0.1-0.2 ms with the poller idle-class; docs/benchmark.md).
-# Linux's kernel function (wchan) or system call of a thread blocked in epoll.
-_EPOLL_WCHAN = "epoll"
+# TCP transport runs an event loop on a thread of its own (epoll), started
+# with JAX's CPU backend. While a collective is in flight that thread polls;
+# sharing its core with the device's thread at the same scheduling class, it
+# kept the core until the scheduler's next tick, and every all-reduce took
+# that tick (4 ms at 250 Hz) whatever its size. At Linux's idle class it
+# runs only when nothing else wants the core (docs/benchmark.md, "One
+# collective alone"; the launcher's policy: `jaxpipe.launch.idle_io_thread`).
+# A blocked thread's kernel function (wchan: do_epoll_wait or ep_poll) or
+# system call number while it waits in epoll.
+_EPOLL_WCHAN = ("epoll", "ep_poll")
 _EPOLL_SYSCALLS = {"x86_64": {"232", "281", "441"}, "aarch64": {"22", "441"}}
 
 
@@ -321,10 +324,21 @@ def thread_ids() -> set[int]:
     return set()
 
 
+def start_backend() -> tuple[list[Any], set[int]]:
+  """Starts JAX's backend: (`jax.devices()`, the ids of the threads that appeared meanwhile).
+
+  Where the backend had started before, no thread appears.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  before = thread_ids()
+  devices = jax.devices()
+  return devices, thread_ids() - before
+
+
 def _in_epoll(tid: int) -> bool:
   try:
     with open(f"/proc/self/task/{tid}/wchan") as f:
-      if _EPOLL_WCHAN in f.read():
+      if any(name in f.read() for name in _EPOLL_WCHAN):
         return True
     with open(f"/proc/self/task/{tid}/syscall") as f:
       call = f.read().split()[:1]
@@ -333,24 +347,31 @@ def _in_epoll(tid: int) -> bool:
   return bool(call) and call[0] in _EPOLL_SYSCALLS.get(platform.machine(), set())
 
 
-def idle_io_threads(tids: Sequence[int] | set[int], *, samples: int = 20,
-                    interval_s: float = 0.005) -> list[int]:
-  """Puts the threads of `tids` found waiting in epoll under SCHED_IDLE; returns their ids.
+def epoll_threads(tids: Collection[int], *, samples: int = 20,
+                  interval_s: float = 0.005) -> list[int]:
+  """The threads of `tids` seen waiting in epoll, in id order.
 
-  Meant for the threads JAX's CPU client starts with gloo collectives
-  (`tids`: the threads that appeared while it started): its event loop
-  waits in epoll, XLA's own threads on futexes. Each thread is looked at
-  `samples` times, `interval_s` apart, since a loop is not always blocked.
-  An idle-class thread runs only when nothing else wants its core, and the
-  device thread it wakes takes the core at once. Nothing happens off Linux.
+  Each is looked at `samples` times, `interval_s` apart, since an event
+  loop is not always blocked. Among the threads JAX's CPU backend starts in
+  a run with gloo collectives it was gloo's event loop alone (XLA's own
+  threads wait on futexes). Nothing is found off Linux.
   """
-  found = set()
+  found: set[int] = set()
   for i in range(samples):
     found |= {t for t in tids if t not in found and _in_epoll(t)}
     if i + 1 < samples:
       time.sleep(interval_s)
+  return sorted(found)
+
+
+def make_idle_class(tids: Collection[int]) -> list[int]:
+  """Puts each thread of `tids` under Linux's SCHED_IDLE; returns those it could set.
+
+  An idle-class thread runs only when nothing else wants its core, and a
+  normal thread it wakes takes the core at once.
+  """
   done = []
-  for t in sorted(found):
+  for t in sorted(tids):
     try:
       os.sched_setscheduler(t, os.SCHED_IDLE, os.sched_param(0))
     except (OSError, AttributeError):

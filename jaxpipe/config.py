@@ -211,10 +211,9 @@ class DistConfig:
   # still sends heartbeats. Counted from the first finished step (compilation
   # excluded), paused during checkpoint saves and the first evaluation; 0 = never.
   step_timeout_s: int = 600
-  # Several processes on the CPU: run gloo's I/O thread idle-class where each
-  # core of this process serves a device (jaxpipe.accel.idle_io_threads);
-  # sharing a core at the normal class, it held every collective for a
-  # scheduler tick (4 ms). No effect on GPUs or for one process.
+  # Several processes on the CPU: gloo's I/O thread idle-class where each
+  # core of this process serves a device (jaxpipe.launch.idle_io_thread says
+  # why). No effect on GPUs or for one process.
   idle_io_thread: bool = True
 
 

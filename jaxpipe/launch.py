@@ -6,8 +6,9 @@ NVIDIA GPUs its GPU flags); `start` then turns on the compilation cache (`run.co
 joins a multi-process run when the config or the environment asks for one
 (with this process's GPUs, `local_device_ids`, and the `dist.*` timeouts),
 starts watching the other processes (`jaxpipe._watchdog.Peers`: a lost one
-ends this one with one line and EXIT_LOST), and checks that the mesh's
-devices exist.
+ends this one with one line and EXIT_LOST), starts JAX's backend (on CPUs
+with several processes, gloo's I/O thread idle-class: `idle_io_thread`),
+and checks that the mesh's devices exist.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
 
 __all__ = ["prepare_devices", "start", "check_devices", "local_devices_needed",
-           "distributed_settings", "local_device_ids", "watch_peers"]
+           "distributed_settings", "local_device_ids", "watch_peers", "idle_io_thread"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -100,7 +101,11 @@ def prepare_devices(cfg: Config) -> None:
 
 
 def start(cfg: Config) -> None:
-  """Initialises `jax.distributed` for multi-process runs; checks the device count."""
+  """Initialises `jax.distributed` for multi-process runs, starts the backend, checks the devices.
+
+  On CPUs with several processes, gloo's I/O thread may be made idle-class
+  (`idle_io_thread`).
+  """
   coordinator, num, pid = distributed_settings(cfg)
   import jax  # pylint: disable=g-import-not-at-top
   if cfg.run.compile_cache:
@@ -127,30 +132,35 @@ def start(cfg: Config) -> None:
       # SLURM: everything else from the job's environment.
       jax.distributed.initialize(local_device_ids=ids, **timeouts)
     watch_peers(cfg)
-  before = accel.thread_ids()
-  devices = jax.devices()  # JAX's backend starts here, with gloo's I/O thread
+  devices, new_threads = accel.start_backend()  # gloo's I/O thread starts here
   if num > 1 and cfg.dist.idle_io_thread and devices[0].platform == "cpu":
-    idle_gloo_thread(accel.thread_ids() - before, len(jax.local_devices()), pid)
+    idle_io_thread(new_threads, len(jax.local_devices()), pid)
   check_devices(cfg, devices)
 
 
-def idle_gloo_thread(new_threads: set[int], local_devices: int, pid: int) -> list[int]:
-  """Runs the collectives' I/O thread idle-class where this process's cores all serve devices.
+def idle_io_thread(new_threads: set[int], local_devices: int, pid: int) -> list[int]:
+  """Runs gloo's I/O thread idle-class where every core this process may use serves a device.
 
-  `new_threads`: the threads that appeared while JAX's CPU backend started.
-  Only where the process may use no more cores than it has devices (one
-  pinned core per device, the layout of a process per stage and core): there
-  the I/O thread shares a core with a device's thread. Says on stderr which
-  threads it set; returns them.
+  `new_threads`: the threads that appeared while JAX's CPU backend started
+  (`accel.start_backend`). Where the process may use more cores than it
+  has devices, the I/O thread has a core to itself and is left alone. The
+  thread is the one of them found waiting in epoll; where there are none or
+  several, none is changed. Says on stderr what it did; returns the ids
+  set idle-class. On a core that another process keeps busy an idle-class
+  thread waits for it; `dist.idle_io_thread=false` turns this off.
   """
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
   if cores is None or cores > local_devices:
     return []
-  done = accel.idle_io_threads(new_threads)
+  found = accel.epoll_threads(new_threads)
+  done = accel.make_idle_class(found) if len(found) == 1 else []
   if done:
-    print(f"process {pid}: collectives' I/O thread{'s' if len(done) > 1 else ''} "
-          f"{','.join(map(str, done))} run idle-class ({cores} core{'s' if cores > 1 else ''} "
-          f"for {local_devices} device{'s' if local_devices > 1 else ''}; dist.idle_io_thread)",
+    print(f"process {pid}: gloo's I/O thread {done[0]} runs idle-class ({cores} "
+          f"core{'s' if cores > 1 else ''} for {local_devices} device"
+          f"{'s' if local_devices > 1 else ''}; dist.idle_io_thread)", file=sys.stderr, flush=True)
+  else:
+    print(f"process {pid}: gloo's I/O thread left at the normal class ({len(found)} of the "
+          "backend's new threads wait in epoll, where one was expected)",
           file=sys.stderr, flush=True)
   return done
 

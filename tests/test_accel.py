@@ -147,7 +147,7 @@ def test_malloc_tuning_yields_to_the_environment():
 
 
 def _faults_per_call(tuned: bool) -> dict:
-  """tools/bench_malloc.py's worker in a fresh process: a 16 MiB temporary, 5 calls.
+  """tools/bench_malloc.py's worker in a fresh process: t of 16 MiB (a 32 MiB block), 5 calls.
 
   The process compiles its function: one that loads it from JAX's persistent
   cache was seen to take the faults again in one run out of three to six.
@@ -184,8 +184,8 @@ def test_tuned_malloc_keeps_a_steps_buffers_for_the_next():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc and SCHED_IDLE")
-def test_only_a_thread_waiting_in_epoll_is_made_idle_class():
-  """gloo's event loop waits in epoll; XLA's threads on futexes: only the first yields its core."""
+def test_a_thread_waiting_in_epoll_is_found_and_made_idle_class():
+  """gloo's event loop waits in epoll, XLA's threads on futexes: only the first is found."""
   import select  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
   stop, ids = threading.Event(), {}
@@ -207,8 +207,8 @@ def test_only_a_thread_waiting_in_epoll_is_made_idle_class():
     while len(ids) < 2:
       stop.wait(0.01)
     assert ids["epoll"] in accel.thread_ids() and ids["futex"] in accel.thread_ids()
-    done = accel.idle_io_threads({ids["epoll"], ids["futex"]})
-    assert done == [ids["epoll"]]
+    assert accel.epoll_threads({ids["epoll"], ids["futex"]}) == [ids["epoll"]]
+    assert accel.make_idle_class([ids["epoll"]]) == [ids["epoll"]]
     assert os.sched_getscheduler(ids["epoll"]) == os.SCHED_IDLE
     assert os.sched_getscheduler(ids["futex"]) == os.SCHED_OTHER
   finally:
@@ -218,14 +218,26 @@ def test_only_a_thread_waiting_in_epoll_is_made_idle_class():
     poller.close()
 
 
-def test_launcher_idles_the_io_thread_only_where_every_core_serves_a_device(monkeypatch):
-  seen = []
-  monkeypatch.setattr(accel, "idle_io_threads", lambda tids: seen.append(set(tids)) or sorted(tids))
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux's CPU affinity")
+def test_launcher_idles_the_io_thread_only_where_every_core_serves_a_device(monkeypatch, capsys):
+  found, made = {}, []
+  monkeypatch.setattr(accel, "epoll_threads", lambda tids: sorted(found.get(frozenset(tids), [])))
+  monkeypatch.setattr(accel, "make_idle_class", lambda tids: made.extend(tids) or list(tids))
+  found[frozenset({7, 8})] = [7]
   monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-  assert launch.idle_gloo_thread({7}, 1, 0) == [] and not seen  # a spare core: left alone
-  assert launch.idle_gloo_thread({7}, 2, 0) == [7] and seen == [{7}]
+  assert launch.idle_io_thread({7, 8}, 1, 0) == [] and not made  # a spare core: left alone
+  assert capsys.readouterr().err == ""
+  assert launch.idle_io_thread({7, 8}, 2, 0) == [7] and made == [7]
+  assert "process 0: gloo's I/O thread 7 runs idle-class (2 cores for 2 devices" in (
+      capsys.readouterr().err)
+  # None or several in epoll: none is touched, and it says so.
+  found[frozenset({8, 9})] = [8, 9]
   monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
-  assert launch.idle_gloo_thread({8, 9}, 1, 0) == [8, 9]
+  assert launch.idle_io_thread({8, 9}, 1, 1) == [] and made == [7]
+  assert launch.idle_io_thread({5}, 1, 1) == [] and made == [7]
+  err = capsys.readouterr().err
+  assert "process 1: gloo's I/O thread left at the normal class (2 of" in err
+  assert "(0 of the backend's new threads" in err
 
 
 def test_gpu_flags_are_known_to_xla_and_inert_on_the_cpu():

@@ -130,14 +130,14 @@ def test_a_process_per_core_runs_the_io_thread_idle_class(tmp_path, cache):
   multi = str(tmp_path / "multi")
   outs = _run_two(multi, *args, envs=[env, env], pins=pins)
   for i in range(2):
-    assert re.search(rf"process {i}: collectives' I/O threads? [0-9,]+ run idle-class "
+    assert re.search(rf"process {i}: gloo's I/O thread [0-9]+ runs idle-class "
                      r"\(1 core for 1 device; dist.idle_io_thread\)", outs[i][1]), outs[i][1]
   a, b = _runs.train_losses(single), _runs.train_losses(multi)
   assert [b[k] for k in range(2)] == pytest.approx([a[k] for k in range(2)], rel=1e-6, abs=0)
   # Turned off, the launcher leaves it alone (a spare core: test_accel).
   off = _run_two(str(tmp_path / "off"), *args, "dist.idle_io_thread=false", envs=[env, env],
                  pins=pins)
-  assert not any("idle-class" in err for _, err in off)
+  assert not any("gloo's I/O thread" in err for _, err in off)
   assert _runs.train_losses(str(tmp_path / "off")) == b
 
 

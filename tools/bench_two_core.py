@@ -102,11 +102,10 @@ def worker(spec: dict[str, Any]) -> int:
     jax.distributed.initialize(coordinator_address=dist["coordinator"],
                                num_processes=dist["num_processes"],
                                process_id=dist["process_id"])
-    before = accel.thread_ids()
-    jax.devices()
+    _, new_threads = accel.start_backend()
     if os.environ.get(IO_THREAD_ENV) != "normal":
-      # As train.py's launcher does (dist.idle_io_thread): one core per process.
-      accel.idle_io_threads(accel.thread_ids() - before)
+      from jaxpipe import launch  # pylint: disable=g-import-not-at-top
+      launch.idle_io_thread(new_threads, 1, dist["process_id"])  # as train.py's launcher
   shape = ModelShape(**spec["shape"])
   if spec["schedule"] == "ceiling":
     r = CeilingRunner(shape, spec["microbatches"], spec["data"])
