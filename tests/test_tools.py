@@ -245,7 +245,7 @@ def test_bench_tiny_run_times_every_schedule():
 # `.venv/bin/python -m pytest -m slow` runs them.
 @pytest.mark.slow
 def test_bench_two_core_times_pinned_processes():
-  """Tiny model, 3 rounds: the reference, the ceiling and 2bw each in a pinned process."""
+  """Tiny model, 3 rounds of 2 steps in a row: the reference, the ceiling and 2bw each pinned."""
   cores = sorted(os.sched_getaffinity(0))
   if len(cores) < 2:
     pytest.skip("the two-core measurement needs two cores")
@@ -257,7 +257,7 @@ def test_bench_two_core_times_pinned_processes():
                                      xla_flags="--xla_cpu_experimental_ynn_fusion_type=",
                                      compare_flags="--xla_cpu_enable_concurrency_optimized_scheduler=true",
                                      compare_env={"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"},
-                                     log=lambda _: None)
+                                     back_to_back=2, log=lambda _: None)
   assert [r["schedule"] for r in rows] == ["none", "ceiling", "2bw", "none [B]", "ceiling [B]",
                                            "2bw [B]", "2bw x2", "2bw x2 [B]", "hardware"]
   x2_b = rows.pop(7)
@@ -328,6 +328,7 @@ def test_two_core_workers_take_the_extra_xla_flags():
     ("--two-core", "--compare-xla-flags", "O3"),
     ("--two-core", "--compare-env", "1BAD=x"),
     ("--two-core", "--compare-env", "NOVALUE"),
+    ("--two-core", "--back-to-back", "0"),
 ])
 def test_bench_two_core_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_pipeline", *args))

@@ -246,6 +246,8 @@ def _check(args, shape: ModelShape) -> None:
       raise ValueError(f"--layers={shape.layers} is not divisible by the 2 stages of --two-core")
     if args.pairs < 3:
       raise ValueError(f"--pairs must be >= 3 for a median and a spread, got {args.pairs}")
+    if args.back_to_back < 1:
+      raise ValueError(f"--back-to-back must be >= 1, got {args.back_to_back}")
     if min(args.vocab) < 257:
       raise ValueError(f"--vocab must be >= 257 (the byte vocabulary), got {args.vocab}")
     for option, value in (("--xla-flags", args.xla_flags),
@@ -327,6 +329,9 @@ def _parser() -> Parser:
                       help="two-core: vocabularies to measure (default 257,50257)")
   parser.add_argument("--pairs", type=int, default=20,
                       help="two-core: timed rounds, one step of every process each (default 20)")
+  parser.add_argument("--back-to-back", type=int, default=1,
+                      help="two-core: steps each process runs in a row per turn, the last timed "
+                      "(default 1: every step follows the other processes' steps)")
   parser.add_argument("--schedules", type=_names, default=list(LABELS),
                       help="schedules to measure, comma-separated (default all: "
                            f"{','.join(LABELS)}); none and 2bw are always measured")

@@ -117,9 +117,11 @@ def worker(spec: dict[str, Any]) -> int:
     if cmd[0] == "account":
       print(_REPLY, json.dumps(r.account(int(cmd[1]))), flush=True)
     else:
-      faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-      seconds = r.step()[0]
-      faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+      # `step K`: K steps back to back, the last one timed (the others warm it).
+      for _ in range(int(cmd[1]) if len(cmd) > 1 else 1):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        seconds = r.step()[0]
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
       print(_REPLY, f"{seconds:.6f} {faults}", flush=True)
   if dist:
     jax.distributed.shutdown()
@@ -167,9 +169,9 @@ class _Pinned:
     self.faults = int(faults)
     return float(seconds)
 
-  def step(self) -> float:
-    """Runs one step there and returns its time."""
-    self.send()
+  def step(self, back_to_back: int = 1) -> float:
+    """Runs `back_to_back` steps there, one after the other; returns the last one's time."""
+    self.send(f"step {back_to_back}")
     return self.receive()
 
   def account(self, steps: int) -> dict[str, dict[str, Any]]:
@@ -206,10 +208,10 @@ class _Group:
     for m in self.members:
       m.ready()
 
-  def step(self) -> float:
-    """One step in every member at once; the slower one's time."""
+  def step(self, back_to_back: int = 1) -> float:
+    """`back_to_back` steps in every member at once; the slower one's time of the last."""
     for m in self.members:
-      m.send()
+      m.send(f"step {back_to_back}")
     return max(m.receive() for m in self.members)
 
   def account(self, steps: int) -> dict[str, dict[str, Any]]:
@@ -246,10 +248,10 @@ def _processes(label: str, base: dict[str, Any], schedule: str, cores: tuple[str
   return _Group(label, members)
 
 
-def _step_together(a: _Pinned, b: _Pinned) -> float:
-  """Steps two workers at the same time; returns the slower one's step time."""
-  a.send()
-  b.send()
+def _step_together(a: _Pinned, b: _Pinned, back_to_back: int = 1) -> float:
+  """Steps two workers at the same time; returns the slower one's time of the last step."""
+  a.send(f"step {back_to_back}")
+  b.send(f"step {back_to_back}")
   return max(a.receive(), b.receive())
 
 
@@ -257,7 +259,7 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = LABELS[1:],
              processes: Sequence[str] = ("2bw", "1f1b"), account_steps: int = 0,
              settle_s: float = 90.0, xla_flags: str = "", compare_flags: str = "",
-             compare_env: Optional[Mapping[str, str]] = None,
+             compare_env: Optional[Mapping[str, str]] = None, back_to_back: int = 1,
              log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """Speed-up of S=2 pipelines on two cores over one device on one core, and their accounts.
 
@@ -283,7 +285,9 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   without a target), in the same rounds as the rest; a [B] row's speed-up is
   over 'none [B]', and 'none [B]''s is the reference's own speed-up from B.
   Every row also gives the median page faults the process (both processes
-  of an 'x2' row) took per timed step.
+  of an 'x2' row) took per timed step. With `back_to_back` > 1 each turn
+  runs that many steps in a row and times the last: its caches are then
+  warm from its own steps, not from the other processes'.
   """
   rows, accounts = [], {}
   both = ",".join(cores)
@@ -329,11 +333,11 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
       for i in range(warmup + pairs):
         order = workers[i % len(workers):] + workers[:i % len(workers)]
         for w in order:
-          t = w.step()
+          t = w.step(back_to_back)
           if i >= warmup:
             times[w.label].append(t)
             faults[w.label].append(w.faults)
-        together = _step_together(workers[0], twin)
+        together = _step_together(workers[0], twin, back_to_back)
         if i >= warmup:
           times["hardware"].append(together)
       if account_steps:
@@ -410,7 +414,10 @@ def run(args, shape: ModelShape) -> int:
             "adamw; float32",
             f"one device pinned to core {args.cores.split(',')[0]}; 2 stages (or the ceiling's "
             f"2 devices) pinned to cores {args.cores}; one XLA thread per device; "
-            f"{args.pairs} timed rounds after {args.warmup} warm-up; jax {jax.__version__}; "
+            f"{args.pairs} timed rounds after {args.warmup} warm-up"
+            + (f", each turn {args.back_to_back} steps in a row, the last timed"
+               if args.back_to_back > 1 else "")
+            + f"; jax {jax.__version__}; "
             f"extra XLA flags: {args.xla_flags or 'none'}"
             + (f"; rows{COMPARED} also with "
                + " ".join(filter(None, (args.compare_xla_flags, args.compare_env)))
@@ -427,7 +434,7 @@ def run(args, shape: ModelShape) -> int:
                               xla_flags=args.xla_flags,
                               compare_flags=args.compare_xla_flags,
                               compare_env=dict(v.split("=", 1) for v in args.compare_env.split()),
-                              log=log)
+                              back_to_back=args.back_to_back, log=log)
   except RuntimeError as e:
     print(f"bench_pipeline: {e}", file=sys.stderr)
     return 1
