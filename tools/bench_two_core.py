@@ -248,13 +248,6 @@ def _processes(label: str, base: dict[str, Any], schedule: str, cores: tuple[str
   return _Group(label, members)
 
 
-def _step_together(a: _Pinned, b: _Pinned, back_to_back: int = 1) -> float:
-  """Steps two workers at the same time; returns the slower one's time of the last step."""
-  a.send(f"step {back_to_back}")
-  b.send(f"step {back_to_back}")
-  return max(a.receive(), b.receive())
-
-
 def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *, pairs: int,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = LABELS[1:],
              processes: Sequence[str] = ("2bw", "1f1b"), account_steps: int = 0,
@@ -337,7 +330,7 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
           if i >= warmup:
             times[w.label].append(t)
             faults[w.label].append(w.faults)
-        together = _step_together(workers[0], twin, back_to_back)
+        together = _Group("hardware", [workers[0], twin]).step(back_to_back)
         if i >= warmup:
           times["hardware"].append(together)
       if account_steps:
