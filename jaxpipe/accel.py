@@ -260,13 +260,19 @@ def xla_default_order_flags() -> list[str]:
 # gets fresh pages and takes a page fault on each 4 KiB of them (15,000 per
 # step for the benchmark's one-device step, 30,000 for its 1f1b step; 2bw,
 # whose stash is state, took none). So: no mmap of its own (M_MMAP_MAX 0),
-# no trimming below 1 GiB free at the top of the main heap
-# (M_TRIM_THRESHOLD), and a top pad of 64 MiB (M_TOP_PAD), which is also
-# what keeps an empty arena heap from being deleted. A block larger than an
-# arena heap is still mapped and unmapped by glibc each time (the
-# vocabulary of GPT-2, gpipe's M stash slots); docs/benchmark.md measures both.
+# no trimming below 1 GiB free at the top of the heap (M_TRIM_THRESHOLD), a
+# top pad of 64 MiB (M_TOP_PAD), and one arena for every thread
+# (M_ARENA_MAX 1). The last is what keeps a block larger than a thread
+# arena's heap (gpipe's M stash slots, GPT-2's logits): a thread arena cannot
+# grow a heap past 64 MiB and glibc maps such a block by itself, whatever
+# M_MMAP_MAX says, and unmaps it on free; the main arena grows with brk and
+# keeps it. The devices' threads then share the arena's lock, which they
+# take a few times a step (one temporary block per run, plus its outputs).
+# It holds for threads that allocate for the first time after it is set,
+# which is why the launcher sets it before JAX starts its backend.
+# docs/benchmark.md measures each.
 CPU_MALLOC = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 1 << 30),
-              "M_TOP_PAD": (-2, 64 << 20)}
+              "M_TOP_PAD": (-2, 64 << 20), "M_ARENA_MAX": (-8, 1)}
 # glibc reads these at start; a user who sets one has chosen the allocator.
 _MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")

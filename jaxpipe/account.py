@@ -202,29 +202,39 @@ def account(events: list[dict[str, Any]], hlo_text: str,
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
-  """The account of the median step: {device: {part: us}}, its interval, span and gap.
+  """The account per step, averaged over the traced steps: {device: {part: us}}, interval, gap.
 
-  The step whose interval is the median over the traced steps (the lower of
-  the two middle ones for an even count) is reported whole, so its parts add
-  up to its interval on every device; medians taken part by part would not
-  (each part's median may come from a different step). `steps` is how many
-  steps were traced and `step` the index of the one reported.
+  Each part is its mean over the steps, so a device's parts add up to the
+  mean interval exactly (each step's do to its own; medians taken part by
+  part would not, and the step of median interval alone carries that step's
+  jitter between the trace's clock and the host's). `measured_us` is the
+  host's clock over the same steps, per step: the first completion to the
+  last, divided by the steps, so a late wake-up of the host counts once, not
+  once per step. `median_interval_us` is the median step's interval, for
+  the spread; `steps` is how many steps are accounted.
   """
   steps = result["steps"]
   if not steps:
-    return {"steps": 0, "step": None, "interval_us": float("nan"), "measured_us": float("nan"),
-            "span_us": float("nan"), "host_gap_us": float("nan"), "devices": {}}
-  middle = statistics.median_low([s["interval_us"] for s in steps])
-  index = next(i for i, s in enumerate(steps) if s["interval_us"] == middle)
-  step = steps[index]
+    return {"steps": 0, "interval_us": float("nan"), "median_interval_us": float("nan"),
+            "measured_us": float("nan"), "span_us": float("nan"),
+            "host_gap_us": float("nan"), "devices": {}}
+  n = len(steps)
+  mean = lambda key: sum(s[key] for s in steps) / n
+  measured = [s["measured_us"] for s in steps if "measured_us" in s]
+  devices: dict[Any, dict[str, float]] = {}
+  for s in steps:
+    for d, parts in s["devices"].items():
+      acc = devices.setdefault(d, collections.Counter())
+      for part, us in parts.items():
+        acc[part] += us / n
   return {
-      "steps": len(steps),
-      "step": index,
-      "interval_us": step["interval_us"],
-      "measured_us": step.get("measured_us", float("nan")),
-      "span_us": step["span_us"],
-      "host_gap_us": step["host_gap_us"],
-      "devices": {d: dict(parts) for d, parts in sorted(step["devices"].items())},
+      "steps": n,
+      "interval_us": mean("interval_us"),
+      "median_interval_us": statistics.median(s["interval_us"] for s in steps),
+      "measured_us": sum(measured) / len(measured) if len(measured) == n else float("nan"),
+      "span_us": mean("span_us"),
+      "host_gap_us": mean("host_gap_us"),
+      "devices": {d: dict(parts) for d, parts in sorted(devices.items())},
   }
 
 

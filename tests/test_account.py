@@ -5,6 +5,9 @@ checks the arithmetic exactly; a real trace of a small pipelined step checks
 that the parts add up to the step the host measured.
 """
 
+import math
+import statistics
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,28 +84,32 @@ def test_account_adds_up_and_splits_collectives_into_moving_and_waiting():
   assert account.parts_in_order(dev0)[-2:] == ["idle", "host gap"]
 
 
-def test_the_summary_is_the_median_step_whole_so_its_parts_add_up():
-  """Medians taken part by part come from different steps and need not add up; the
-  summary reports the step of median interval whole."""
-  def step(interval, fwd, idle):
+def test_the_summary_is_the_mean_step_so_its_parts_add_up():
+  """Medians taken part by part come from different steps and need not add up;
+  the summary averages each part over the steps, which adds up to the mean
+  interval, and puts the host's clock over the same steps beside it."""
+  def step(interval, fwd, idle, measured):
     return {"interval_us": interval, "span_us": interval - 5, "host_gap_us": 5,
-            "measured_us": interval + 1,
-            "devices": {0: {"forward": fwd, "idle": idle, "host gap": 5}}}
-  steps = [step(100, 90, 5), step(120, 60, 55), step(110, 80, 25)]
-  # Part by part, forward's median (80) and idle's (25) happen to come from
-  # one step here; shuffle them so they do not.
-  steps[2]["devices"][0] = {"forward": 100, "idle": 5, "host gap": 5}
-  steps[0]["devices"][0] = {"forward": 70, "idle": 25, "host gap": 5}
+            "measured_us": measured,
+            "devices": {0: {"forward": fwd, "idle": idle, "host gap": 5},
+                        1: {"forward": fwd - 10, "idle": idle + 10, "host gap": 5}}}
+  # The host woke late for the second step's completion and early for the third's.
+  steps = [step(100, 90, 5, 100), step(120, 60, 55, 150), step(110, 100, 5, 80)]
   part_medians = sum(sorted(s["devices"][0][p] for s in steps)[1]
                      for p in ("forward", "idle", "host gap"))
-  assert part_medians != 110   # the old summary's parts did not add up to its interval
+  assert part_medians != statistics.median(s["interval_us"] for s in steps)  # would not add up
   summary = account.summarise({"steps": steps})
-  assert summary["step"] == 2 and summary["steps"] == 3
-  assert summary["interval_us"] == 110 and summary["measured_us"] == 111
-  assert summary["devices"][0] == {"forward": 100, "idle": 5, "host gap": 5}
-  assert sum(summary["devices"][0].values()) == summary["interval_us"]
-  # An even count reports the lower middle step.
-  assert account.summarise({"steps": steps + [step(130, 120, 5)]})["interval_us"] == 110
+  assert summary["steps"] == 3
+  assert summary["interval_us"] == pytest.approx(110)
+  assert summary["median_interval_us"] == 110
+  assert summary["measured_us"] == pytest.approx(110)   # the wake-ups cancel over the steps
+  assert summary["devices"][0] == pytest.approx({"forward": 250 / 3, "idle": 65 / 3,
+                                                 "host gap": 5})
+  for d in (0, 1):
+    assert sum(summary["devices"][d].values()) == pytest.approx(summary["interval_us"])
+  # A step the host did not time leaves the host's figure unknown, not biased.
+  del steps[0]["measured_us"]
+  assert math.isnan(account.summarise({"steps": steps})["measured_us"])
   assert account.summarise({"steps": []})["steps"] == 0
 
 
@@ -138,3 +145,9 @@ def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
     assert s["interval_us"] == pytest.approx(s["measured_us"], rel=0.5)
   med = np.median([s["interval_us"] for s in result["steps"]])
   assert med > 0
+  summary = account.summarise(result)
+  for parts in summary["devices"].values():
+    assert sum(parts.values()) == pytest.approx(summary["interval_us"], rel=1e-9)
+  assert summary["measured_us"] == pytest.approx(
+      (done[-1] - done[0]) * 1e6 / len(result["steps"]), rel=1e-9)
+  assert summary["interval_us"] == pytest.approx(summary["measured_us"], rel=0.5)
