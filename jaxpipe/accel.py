@@ -42,7 +42,7 @@ from typing import Any, Collection, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "StepFlops", "step_flops", "gpu_expected",
            "gpu_xla_flags", "merge_xla_flags", "cpu_xla_flags", "xla_default_order_flags",
-           "CPU_MALLOC", "tune_cpu_malloc", "thread_ids", "start_backend", "epoll_threads",
+           "CPU_MALLOC", "ONE_ARENA", "tune_cpu_malloc", "thread_ids", "start_backend", "epoll_threads",
            "make_idle_class", "device_memory", "write_device_memory", "enable_compile_cache"]
 
 # Dense (no 2:4 sparsity) bfloat16 tensor-core peak in TFLOP/s per chip, keyed
@@ -272,14 +272,18 @@ def xla_default_order_flags() -> list[str]:
 # which is why the launcher sets it before JAX starts its backend.
 # docs/benchmark.md measures each.
 CPU_MALLOC = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 1 << 30),
-              "M_TOP_PAD": (-2, 64 << 20), "M_ARENA_MAX": (-8, 1)}
+              "M_TOP_PAD": (-2, 64 << 20)}
+ONE_ARENA = {"M_ARENA_MAX": (-8, 1)}
 # glibc reads these at start; a user who sets one has chosen the allocator.
 _MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")
 
 
-def tune_cpu_malloc(env: Optional[Mapping[str, str]] = None) -> Optional[dict[str, int]]:
+def tune_cpu_malloc(env: Optional[Mapping[str, str]] = None, *,
+                    one_arena: bool = True) -> Optional[dict[str, int]]:
   """Sets glibc's malloc options `CPU_MALLOC` in this process; returns what it set, or None.
+
+  With `one_arena`, also `ONE_ARENA`: every thread allocates from the main arena.
 
   Nothing is set (None) where the C library is not glibc, or where the
   environment already chooses malloc's behaviour (a `MALLOC_*` variable
@@ -300,7 +304,7 @@ def tune_cpu_malloc(env: Optional[Mapping[str, str]] = None) -> Optional[dict[st
   # By hand, through ctypes: neither the standard library nor a package binds mallopt.
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   done = {}
-  for name, (param, value) in CPU_MALLOC.items():
+  for name, (param, value) in {**CPU_MALLOC, **(ONE_ARENA if one_arena else {})}.items():
     if mallopt(param, value) == 1:  # 1: accepted
       done[name] = value
   return done

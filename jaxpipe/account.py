@@ -6,8 +6,9 @@ Every operation XLA ran is an event with the device it ran for and its HLO
 instruction's name; the compiled program's HLO text maps each instruction to
 its opcode and to the `jax.named_scope` it was traced under, and the engine
 traces each phase of a tick under its own scope (`jaxpipe.pipeline.PHASE`:
-embedding, forward, head, backward, embedding gradient, sends, the
-once-per-step gradient reduction and the optimizer update). So each
+embedding, forward, head, backward, zb1's weight gradient, embedding
+gradient, sends, the once-per-step gradient reduction and the optimizer
+update). So each
 microsecond of each device in a step falls in exactly one of:
 
 - `<phase>`: an operation of that phase computing;

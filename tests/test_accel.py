@@ -95,7 +95,8 @@ def _launch_flags(monkeypatch, gpu: bool, user: str, *overrides: str,
   monkeypatch.setattr(accel, "gpu_expected", lambda env=None: gpu)
   # Recorded, not applied: this test process keeps glibc's malloc as it is.
   monkeypatch.setattr(accel, "tune_cpu_malloc",
-                      lambda env=None: (tuned if tuned is not None else []).append(True))
+                      lambda env=None, one_arena=True: (tuned if tuned is not None
+                                                        else []).append(one_arena))
   monkeypatch.setenv("XLA_FLAGS", user)
   cfg = config_lib.load(_runs.TINY, list(overrides))
   launch.prepare_devices(cfg)
@@ -131,13 +132,14 @@ def test_launcher_sets_gpu_flags_on_gpus_only(monkeypatch):
 
 
 def test_launcher_tunes_malloc_without_a_gpu_only(monkeypatch):
+  """Tuned on CPUs only; one arena where the process has one device."""
   pipelined = ("pipeline.schedule=2bw", "pipeline.stages=2")
-  for gpu, extra, want in ((False, (), 1), (True, (), 0),
-                           (False, ("dist.num_processes=2", "dist.coordinator=127.0.0.1:1234"),
-                            1)):
+  two = ("dist.num_processes=2", "dist.coordinator=127.0.0.1:1234")
+  for gpu, overrides, want in ((False, pipelined, [False]), (True, pipelined, []),
+                               (False, pipelined + two, [True]), (False, (), [True])):
     tuned = []
-    _launch_flags(monkeypatch, gpu, "", *pipelined, *extra, tuned=tuned)
-    assert len(tuned) == want, (gpu, extra)
+    _launch_flags(monkeypatch, gpu, "", *overrides, tuned=tuned)
+    assert tuned == want, (gpu, overrides)
 
 
 def test_malloc_tuning_yields_to_the_environment():
@@ -146,14 +148,14 @@ def test_malloc_tuning_yields_to_the_environment():
     assert accel.tune_cpu_malloc(env) is None, env
 
 
-def _faults_per_call(tuned: bool, t_mib: int) -> dict:
+def _faults_per_call(mode: str, t_mib: int) -> dict:
   """tools/bench_malloc.py's worker in a fresh process: t of t_mib MiB (a block of twice that), 5 calls.
 
   The process compiles its function: one that loads it from JAX's persistent
   cache was seen to take the faults again in one run out of three to six.
   """
   out = subprocess.run([sys.executable, os.path.join(_runs.ROOT, "tools", "bench_malloc.py"),
-                        "--worker", json.dumps([t_mib, 5, tuned])],
+                        "--worker", json.dumps([t_mib, 5, mode])],
                        capture_output=True, text=True, check=True,
                        env={k: v for k, v in os.environ.items()
                             if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "JAX_COMPILATION",
@@ -168,17 +170,19 @@ def test_tuned_malloc_keeps_a_steps_buffers_for_the_next(t_mib):
   import platform  # pylint: disable=g-import-not-at-top
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     pytest.skip("malloc is tuned on glibc only")
-  plain = _faults_per_call(False, t_mib)
+  plain = _faults_per_call("glibc defaults", t_mib)
   assert plain["tuned"] is None
   # glibc's defaults map the temporary block afresh each call (4 KiB a fault).
   assert plain["faults"] > t_mib * 2**20 * 2 / 4096 * 0.9, plain
-  # Tuned, a process keeps it. Under load, now and then a process's block
-  # landed on fresh heap pages call after call (docs/benchmark.md), so up to
-  # three processes are asked; with glibc's defaults none of them could keep it.
+  # Tuned as for a process of one device, it keeps it. Under load, now and
+  # then a process's block landed on fresh heap pages call after call
+  # (docs/benchmark.md), so up to three processes are asked; with glibc's
+  # defaults none of them could keep it.
   tries = []
   for _ in range(3):
-    tries.append(_faults_per_call(True, t_mib))
-    assert tries[-1]["tuned"] == {k: v for k, (_, v) in accel.CPU_MALLOC.items()}
+    tries.append(_faults_per_call("tuned, one arena", t_mib))
+    assert tries[-1]["tuned"] == {k: v for k, (_, v) in
+                                  {**accel.CPU_MALLOC, **accel.ONE_ARENA}.items()}
     if tries[-1]["faults"] < plain["faults"] / 20:
       break
   else:

@@ -203,6 +203,29 @@ def test_zb1_runs_one_forward_per_microbatch_and_stage(stash):
     assert sorted(per) == list(range(k * m, (k + 1) * m))
 
 
+def test_zb1_traces_w_under_its_own_phase():
+  """A profile tells B from W: the compiled step's dots fall in both phases.
+
+  Each stage's weight-gradient matmuls are W's (`pipe_weight_grad`), its
+  input-gradient matmuls B's (`pipe_backward`); 1f1b's unsplit backward has
+  no W phase.
+  """
+  from jaxpipe import account  # pylint: disable=g-import-not-at-top
+  m = 4
+
+  def dots_by_phase(name):
+    sch = make_schedule(name, util.stage_fns(), util.optimizer("adamw"), make_mesh(2, 1), m,
+                        stash="residuals")
+    state = sch.init(jax.tree.map(jnp.asarray, util.initial_params()), (m, util.ROWS, util.SEQ))
+    tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in util.batches(m)[0])
+    ops = account.hlo_ops(sch.lower_step(state, tok, tgt).compile().as_text())
+    return collections.Counter(phase for opcode, phase in ops.values() if opcode == "dot")
+
+  zb1, plain = dots_by_phase("zb1"), dots_by_phase("1f1b")
+  assert zb1["weight_grad"] > 0 and zb1["backward"] > 0, zb1
+  assert plain["weight_grad"] == 0 and plain["backward"] > 0, plain
+
+
 # --- the plan -----------------------------------------------------------------
 
 @pytest.mark.parametrize("s", [2, 3, 4, 8])

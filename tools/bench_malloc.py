@@ -5,8 +5,10 @@ A jitted function whose only large buffer is a temporary (the [n, n] float32
 product t = x @ x.T of an [n, 8] input, of which it returns the sum of
 t + t.T; XLA's temporary block for it is twice t) is called again and again on one
 CPU device; each call's temporary is malloc'ed and freed by XLA's runtime.
-For each size it runs in a fresh process twice: with glibc's malloc as it
-comes, and as `train.py` sets it for a CPU run (`jaxpipe.accel.tune_cpu_malloc`).
+For each size it runs in a fresh process three times: with glibc's malloc as
+it comes, and as `train.py` sets it for a CPU run (`jaxpipe.accel.tune_cpu_malloc`)
+in a process of one device (one arena for every thread) and of several (an
+arena per thread).
 It prints, per size and setting, the median time of a call and the median
 page faults the process took per call (each a 4 KiB page the kernel zeroed).
 A pipeline step does the same with its buffers (docs/benchmark.md).
@@ -29,13 +31,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxpipe.cli import Parser  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-MODES = ("glibc defaults", "tuned")
+# The mode's name, and `tune_cpu_malloc`'s one_arena (None: not tuned).
+MODES = {"glibc defaults": None, "tuned, one arena": True, "tuned, an arena per thread": False}
 
 
-def worker(size_mib: int, calls: int, tuned: bool) -> dict:
-  """Runs in a fresh process: {"ms": median ms per call, "faults": median faults per call, ...}."""
+def worker(size_mib: int, calls: int, mode: str) -> dict:
+  """Runs in a fresh process: {"ms": median ms per call, "faults": median faults per call, ...}.
+
+  `mode` is a key of MODES.
+  """
   from jaxpipe import accel  # pylint: disable=g-import-not-at-top
-  applied = accel.tune_cpu_malloc() if tuned else None
+  one_arena = MODES[mode]
+  applied = None if one_arena is None else accel.tune_cpu_malloc(one_arena=one_arena)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
   import jax  # pylint: disable=g-import-not-at-top
@@ -59,10 +66,10 @@ def worker(size_mib: int, calls: int, tuned: bool) -> dict:
           "faults": statistics.median(faults)}
 
 
-def measure(size_mib: int, calls: int, tuned: bool) -> dict:
+def measure(size_mib: int, calls: int, mode: str) -> dict:
   """`worker` in a fresh process (glibc's options are per process)."""
   out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                        json.dumps([size_mib, calls, tuned])],
+                        json.dumps([size_mib, calls, mode])],
                        capture_output=True, text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
   print("|---:|---|---:|---:|---:|")
   for size in args.sizes:
     for mode in MODES:
-      r = measure(size, args.calls, mode == "tuned")
+      r = measure(size, args.calls, mode)
       print(f"| {size} | {mode} | {r['ms']:.2f} | {r['faults']:,.0f} | "
             f"{r['faults'] * 4096 / 2**20:.0f} |", flush=True)
   return 0

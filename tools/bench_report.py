@@ -59,7 +59,8 @@ def _share(row: dict[str, Any]) -> str:
 
 
 # The account's parts, gathered into the columns of `account_tables`.
-_GROUPS = (("forward", ("forward",)), ("backward", ("backward",)), ("head", ("head",)),
+_GROUPS = (("forward", ("forward",)), ("backward", ("backward",)),
+           ("weight gradient (zb1's W)", ("weight_grad",)), ("head", ("head",)),
            ("embedding", ("embed", "embed_grad")), ("update", ("grad_reduce", "optimizer")),
            ("other", ("other",)))
 
@@ -88,7 +89,7 @@ def account_tables(accounts: dict[str, Any]) -> str:
           f"{ms([p + ' collective']):.1f} / {ms([p + ' wait']):.1f}" for p in phases) + " |")
   first = _table(["configuration", "device", *(g for g, _ in _GROUPS), "collectives",
                   "waiting at collectives", "idle", "host gap", "sum", "step (host clock)"],
-                 "ll" + "r" * 12, main)
+                 "ll" + "r" * (len(_GROUPS) + 6), main)
   second = _table(["configuration", "device",
                    *(f"{p} (moving / waiting)" for p in phases)], "ll" + "r" * len(phases), coll)
   return first + "\n\nCollectives by phase, ms per step (moving data / waiting):\n\n" + second

@@ -62,6 +62,9 @@ COMPARED = " [B]"
 # A worker of a 'x2' row leaves gloo's I/O thread at the normal class with
 # this set to "normal" (for --compare-env; train.py's key: dist.idle_io_thread).
 IO_THREAD_ENV = "JAXPIPE_BENCH_IO_THREAD"
+# A worker's malloc arenas: "one" or "threads" (for --compare-env); unset, as
+# train.py's launcher chooses (one arena for a process of one device).
+ARENA_ENV = "JAXPIPE_BENCH_ARENAS"
 
 # Marks the worker's replies on its stdout, where libraries (gloo) print too.
 _REPLY = "@jaxpipe-bench"
@@ -87,12 +90,14 @@ def worker(spec: dict[str, Any]) -> int:
   devices of its configuration; with `dist` in the spec it is one of
   several `jax.distributed` processes (gloo collectives over loopback).
   Its malloc is tuned as train.py's launcher tunes it for a CPU run
-  (`jaxpipe.accel.tune_cpu_malloc`), unless its environment chooses.
+  (`jaxpipe.accel.tune_cpu_malloc`; one arena where it has one device),
+  unless its environment chooses.
   """
   from jaxpipe import accel  # pylint: disable=g-import-not-at-top
-  accel.tune_cpu_malloc()
   dist = spec.get("dist")
   devices = 1 if dist else spec["stages"] * spec["data"]
+  arenas = os.environ.get(ARENA_ENV, "one" if devices == 1 else "threads")
+  accel.tune_cpu_malloc(one_arena=arenas == "one")
   os.environ["XLA_FLAGS"] = worker_xla_flags(devices, spec.get("xla_flags", ""),
                                              distributed=bool(dist))
   os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -102,8 +102,10 @@ AXES = (STAGE, DATA)
 # profile (XLA's CPU trace, Nsight Systems, XProf) names the work of every
 # operation; `jaxpipe.account` reads them back. The schedules add the
 # once-per-step gradient reduction and the optimizer update.
-PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "embed_grad", "send",
-                                    "grad_reduce", "optimizer")}
+# zb1's W (the weights' gradient, split from the backward) is a phase of its
+# own, so that an account tells B from W.
+PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "weight_grad",
+                                    "embed_grad", "send", "grad_reduce", "optimizer")}
 # Plan arrays with one entry per (tick, stage), fed to the tick loops.
 _ROWS = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot")
 # And with v > 1 chunks per stage, which chunk each forward and backward runs.
@@ -545,7 +547,7 @@ class Engine:
                                                 gaps[1])
         g_x0 = jnp.where(ctx.is_first, send_b, jnp.zeros_like(send_b))
     if kind.wgt:
-      with jax.named_scope(PHASE["backward"]):
+      with jax.named_scope(PHASE["weight_grad"]):
         accs = self._backward_weights(ctx, row, wstash, accs)
     if self.solo_stage is not None:
       return TickCarry(send_f, send_b, stash, tuple(accs), losses, wstash), g_x0
