@@ -45,6 +45,7 @@ Head = Literal["auto", "vocab_parallel", "last_stage"]
 OptimizerName = Literal["adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap"]
 LrSchedule = Literal["constant", "cosine", "wsd"]
 NanPolicy = Literal["skip", "stop"]
+CpuArenas = Literal["auto", "one", "per_thread"]
 AdanForm = Literal["paper", "optax"]
 NsCoeffs = Literal["jordan", "polar_express"]
 
@@ -54,6 +55,7 @@ HEAD_CHOICES: tuple[str, ...] = typing.get_args(Head)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 LR_SCHEDULES: tuple[str, ...] = typing.get_args(LrSchedule)
 NAN_POLICIES: tuple[str, ...] = typing.get_args(NanPolicy)
+CPU_ARENAS: tuple[str, ...] = typing.get_args(CpuArenas)
 ADAN_FORMS: tuple[str, ...] = typing.get_args(AdanForm)
 NS_PRESETS: tuple[str, ...] = typing.get_args(NsCoeffs)
 
@@ -74,6 +76,11 @@ class RunConfig:
   # rerun on the same GPUs and mesh repeats bit for bit; false trades that for speed.
   deterministic: bool = True
   compile_cache: str = ""        # a directory for JAX's persistent compilation cache; "" = none
+  # Runs on CPUs: glibc's malloc arenas (jaxpipe.accel.tune_cpu_malloc). "one"
+  # keeps blocks over 64 MiB from step to step (a large vocabulary's logits,
+  # gpipe's stash) but the devices' threads of a process share its lock;
+  # "auto" is "one" for a process of one device, "per_thread" otherwise.
+  cpu_malloc_arenas: CpuArenas = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,6 +534,9 @@ def _validate_run_and_data(cfg: Config) -> None:
   _check(r.log_every >= 1, f"run.log_every must be >= 1, got {r.log_every}")
   _check(r.nan_policy in NAN_POLICIES,
          f"run.nan_policy must be {' or '.join(NAN_POLICIES)}, got '{r.nan_policy}'")
+  _check(r.cpu_malloc_arenas in CPU_ARENAS,
+         f"run.cpu_malloc_arenas must be one of {', '.join(CPU_ARENAS)}, "
+         f"got '{r.cpu_malloc_arenas}'")
   _check(bool(r.dir), "run.dir must not be empty")
   _check(d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}")
   _check(d.seq_len >= 2, f"data.seq_len must be >= 2, got {d.seq_len}")

@@ -76,7 +76,7 @@ def prepare_devices(cfg: Config) -> None:
   for memory). Without a GPU it also sets glibc's malloc options
   (`accel.tune_cpu_malloc`), so that the devices' buffers of one step do
   not page-fault again in the next; one malloc arena for every thread where
-  the process has one device.
+  the process has one device, or as `run.cpu_malloc_arenas` says.
   A flag the user already put in XLA_FLAGS is kept, with its value, and so
   is malloc's behaviour where the environment sets it.
   """
@@ -91,8 +91,10 @@ def prepare_devices(cfg: Config) -> None:
   else:
     # The devices' buffers are the host's memory, from malloc. One arena keeps
     # blocks of any size but makes the devices' threads of one process take
-    # turns at its lock (docs/benchmark.md, "Page faults"): for one device only.
-    accel.tune_cpu_malloc(one_arena=need == 1)
+    # turns at its lock (docs/benchmark.md, "Page faults"): by default for one
+    # device only.
+    arenas = cfg.run.cpu_malloc_arenas
+    accel.tune_cpu_malloc(one_arena=arenas == "one" or (arenas == "auto" and need == 1))
     if distributed_settings(cfg)[1] == 1:
       # One process only: with the flag, two processes of a 2bw run (gloo
       # collectives) that load their step from JAX's persistent compilation

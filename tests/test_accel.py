@@ -132,14 +132,24 @@ def test_launcher_sets_gpu_flags_on_gpus_only(monkeypatch):
 
 
 def test_launcher_tunes_malloc_without_a_gpu_only(monkeypatch):
-  """Tuned on CPUs only; one arena where the process has one device."""
+  """Tuned on CPUs only; one arena where the process has one device, or as the key says."""
   pipelined = ("pipeline.schedule=2bw", "pipeline.stages=2")
   two = ("dist.num_processes=2", "dist.coordinator=127.0.0.1:1234")
   for gpu, overrides, want in ((False, pipelined, [False]), (True, pipelined, []),
-                               (False, pipelined + two, [True]), (False, (), [True])):
+                               (False, pipelined + two, [True]), (False, (), [True]),
+                               (False, pipelined + ("run.cpu_malloc_arenas=one",), [True]),
+                               (False, ("run.cpu_malloc_arenas=per_thread",), [False])):
     tuned = []
     _launch_flags(monkeypatch, gpu, "", *overrides, tuned=tuned)
     assert tuned == want, (gpu, overrides)
+
+
+def test_malloc_arena_key_is_validated():
+  from jaxpipe.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  assert config_lib.load(_runs.TINY).run.cpu_malloc_arenas == "auto"
+  with pytest.raises(ConfigError, match="run.cpu_malloc_arenas must be one of auto, one, "
+                                        "per_thread, got 'two'"):
+    config_lib.load(_runs.TINY, ["run.cpu_malloc_arenas=two"])
 
 
 def test_malloc_tuning_yields_to_the_environment():

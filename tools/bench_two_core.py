@@ -440,8 +440,9 @@ def run(args, shape: ModelShape) -> int:
   text = ("\n".join(header) + "\n\n### Two cores against one (S=2, M=" + str(m) + ")\n\n"
           + two_core_table(rows) + "\n")
   for vocab, acc in accounts.items():
-    text += (f"\n### Where each step's time went, vocabulary {vocab} (ms per step, median of "
-             f"{args.account} traced steps)\n\n" + account_tables(acc) + "\n")
+    text += (f"\n### Where each step's time went, vocabulary {vocab} (ms per step, mean of "
+             f"the {args.account - 1} traced steps after the first)\n\n"
+             + account_tables(acc) + "\n")
   text += "\n" + "\n".join(footer) + "\n"
   print(text)
   write(text, args.out_md, log)
