@@ -42,8 +42,9 @@ from typing import Any, Collection, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "StepFlops", "step_flops", "gpu_expected",
            "gpu_xla_flags", "merge_xla_flags", "cpu_xla_flags", "xla_default_order_flags",
-           "CPU_MALLOC", "ONE_ARENA", "tune_cpu_malloc", "thread_ids", "start_backend", "epoll_threads",
-           "make_idle_class", "device_memory", "write_device_memory", "enable_compile_cache"]
+           "CPU_MALLOC", "ONE_ARENA", "tune_cpu_malloc", "thread_ids", "start_backend",
+           "epoll_threads", "make_idle_class", "device_memory", "write_device_memory",
+           "enable_compile_cache"]
 
 # Dense (no 2:4 sparsity) bfloat16 tensor-core peak in TFLOP/s per chip, keyed
 # by the exact `device_kind` JAX reports. NVIDIA's datasheets print the
@@ -261,16 +262,17 @@ def xla_default_order_flags() -> list[str]:
 # step for the benchmark's one-device step, 30,000 for its 1f1b step; 2bw,
 # whose stash is state, took none). So: no mmap of its own (M_MMAP_MAX 0),
 # no trimming below 1 GiB free at the top of the heap (M_TRIM_THRESHOLD), a
-# top pad of 64 MiB (M_TOP_PAD), and one arena for every thread
-# (M_ARENA_MAX 1). The last is what keeps a block larger than a thread
+# top pad of 64 MiB (M_TOP_PAD), and, where it pays, one arena for every
+# thread (M_ARENA_MAX 1). The last is what keeps a block larger than a thread
 # arena's heap (gpipe's M stash slots, GPT-2's logits): a thread arena cannot
 # grow a heap past 64 MiB and glibc maps such a block by itself, whatever
 # M_MMAP_MAX says, and unmaps it on free; the main arena grows with brk and
-# keeps it. The devices' threads then share the arena's lock, which they
-# take a few times a step (one temporary block per run, plus its outputs).
-# It holds for threads that allocate for the first time after it is set,
-# which is why the launcher sets it before JAX starts its backend.
-# docs/benchmark.md measures each.
+# keeps it. The devices' threads then share the arena's lock: two devices of
+# one process lost 5-11% of their step to it where no block was that large,
+# so the launcher gives one arena (ONE_ARENA) to a process of one device
+# unless run.cpu_malloc_arenas says otherwise. It holds for threads that
+# allocate for the first time after it is set, which is why the launcher
+# sets it before JAX starts its backend. docs/benchmark.md measures each.
 CPU_MALLOC = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 1 << 30),
               "M_TOP_PAD": (-2, 64 << 20)}
 ONE_ARENA = {"M_ARENA_MAX": (-8, 1)}

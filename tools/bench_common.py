@@ -152,7 +152,10 @@ class _Timed:
     return time.perf_counter() - t0, time.process_time() - c0
 
   def account(self, steps: int) -> dict[str, Any]:
-    """The account of `steps` traced steps run back to back, per step on average (`jaxpipe.account.summarise`)."""
+    """The account of `steps` traced steps run back to back, per step on average.
+
+    (`jaxpipe.account.summarise`: each part's mean over the steps after the first.)
+    """
     import jax  # pylint: disable=g-import-not-at-top
 
     from jaxpipe import account  # pylint: disable=g-import-not-at-top
