@@ -597,6 +597,7 @@ def test_planner_bad_input_is_one_line_and_status_2(args):
     ("bench_train_steps", ("--steps", "4")),
     ("bench_train_steps", ("--cores", "0")),
     ("bench_train_steps", ("--tokenizer", "sentencepiece")),
+    ("bench_train_steps", ("run.cpu_malloc_arenas",)),
     ("bench_collectives", ("--reps", "2")),
     ("bench_collectives", ("--cores", "0,0")),
     ("bench_collectives", ("--cores", "a,b")),
@@ -612,11 +613,13 @@ def test_bench_train_steps_rotates_rounds_and_divides_the_reference(monkeypatch)
   fake = {"none": [0.8, 0.6], "2bw": [0.5, 0.4], "1f1b": [0.4, 0.5]}
 
   def run_once(schedule, cores, tokenizer, steps, work, extra=()):
+    assert extra == ("run.cpu_malloc_arenas=one",)   # the overrides reach every run
     calls.append((schedule, cores))
     return fake[schedule][sum(1 for c, _ in calls if c == schedule) - 1]
 
   monkeypatch.setattr(mod, "run_once", run_once)
-  rows = mod.measure(("2bw", "1f1b"), "byte", 2, 8, ("0", "1"), log=lambda _: None)
+  rows = mod.measure(("2bw", "1f1b"), "byte", 2, 8, ("0", "1"), log=lambda _: None,
+                     extra=("run.cpu_malloc_arenas=one",))
   assert calls == [("none", "0"), ("2bw", "0,1"), ("1f1b", "0,1"),
                    ("2bw", "0,1"), ("1f1b", "0,1"), ("none", "0")]
   by = {r["schedule"]: r for r in rows}
@@ -643,8 +646,10 @@ def test_bench_train_steps_reads_train_py_step_times(tmp_path, monkeypatch):
     return sp.CompletedProcess(cmd, 0, "", "")
 
   monkeypatch.setattr(mod.subprocess, "run", fake_run)
-  assert mod.run_once("2bw", "0,1", "byte", 6, str(tmp_path)) == pytest.approx(0.6)
+  assert mod.run_once("2bw", "0,1", "byte", 6, str(tmp_path),
+                      ("run.cpu_malloc_arenas=one",)) == pytest.approx(0.6)
   cmd = seen["cmd"]
+  assert cmd[-1] == "run.cpu_malloc_arenas=one"
   assert cmd[:3] == ["taskset", "-c", "0,1"] and "pipeline.stages=2" in cmd
   assert "pipeline.schedule=2bw" in cmd and "model.dim=256" in cmd
   assert seen["env"]["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false"

@@ -3,6 +3,7 @@
 
   python tools/bench_train_steps.py                          # byte vocabulary, 2bw 1f1b gpipe
   python tools/bench_train_steps.py --tokenizer gpt2 --rounds 3 --out-md /tmp/train_steps.md
+  python tools/bench_train_steps.py --tokenizer gpt2 run.cpu_malloc_arenas=one   # overrides for every run
 
 Runs `train.py --config configs/tiny.yaml` at the two-core benchmark's shape
 (`model.dim=256 model.n_layers=8 model.n_heads=4 model.n_kv_heads=2
@@ -80,8 +81,11 @@ def run_once(schedule: str, cores: str, tokenizer: str, steps: int, work: str,
 
 
 def measure(schedules: tuple[str, ...], tokenizer: str, rounds: int, steps: int,
-            cores: tuple[str, str], log=print) -> list[dict]:
-  """{schedule, ref_s, step_s, speedups, median} per schedule over `rounds` rotated rounds."""
+            cores: tuple[str, str], log=print, extra: tuple[str, ...] = ()) -> list[dict]:
+  """{schedule, ref_s, step_s, speedups, median} per schedule over `rounds` rotated rounds.
+
+  `extra`: config overrides (KEY=VALUE) for every run, the reference's too.
+  """
   configs = ["none", *schedules]
   times: dict[str, list[float]] = {c: [] for c in configs}
   loads = [_load()]
@@ -90,7 +94,7 @@ def measure(schedules: tuple[str, ...], tokenizer: str, rounds: int, steps: int,
       order = configs[i % len(configs):] + configs[:i % len(configs)]
       for c in order:
         where = cores[0] if c == "none" else ",".join(cores)
-        times[c].append(run_once(c, where, tokenizer, steps, work))
+        times[c].append(run_once(c, where, tokenizer, steps, work, extra))
         log(f"  round {i + 1}/{rounds} {c}: {times[c][-1]:.3f} s/step (load {_load()})")
   loads.append(_load())
   rows = []
@@ -131,7 +135,13 @@ def main(argv: Optional[list[str]] = None) -> int:
   p.add_argument("--steps", type=int, default=12, help="steps per run (default 12)")
   p.add_argument("--cores", default="0,1", help="the two cores to pin to (default 0,1)")
   p.add_argument("--out-md", default=None, help="write the markdown table here")
+  p.add_argument("overrides", nargs="*",
+                 help="config overrides (KEY=VALUE) for every run, the reference's too, "
+                      "e.g. run.cpu_malloc_arenas=one")
   args = p.parse_args(argv)
+  bad_override = [o for o in args.overrides if "=" not in o or o.startswith("=")]
+  if bad_override:
+    _fail(f"overrides must be KEY=VALUE, got {bad_override[0]!r}")
   schedules = tuple(s for s in args.schedules.split(",") if s)
   bad = [s for s in schedules if s not in SCHEDULES]
   if bad or not schedules:
@@ -152,11 +162,13 @@ def main(argv: Optional[list[str]] = None) -> int:
   t0 = time.time()
   print(f"load average at start: {_load()}", flush=True)
   try:
-    rows = measure(schedules, args.tokenizer, args.rounds, args.steps, cores)
+    rows = measure(schedules, args.tokenizer, args.rounds, args.steps, cores,
+                   extra=tuple(args.overrides))
   except RuntimeError as e:
     _fail(str(e))
   out = (f"train.py step_time_s, median from step {FIRST_TIMED} of {args.steps}; "
-         f"{args.rounds} rounds; wall {time.time() - t0:.0f} s\n\n" + table(rows, args.tokenizer))
+         f"{args.rounds} rounds; overrides: {' '.join(args.overrides) or 'none'}; "
+         f"wall {time.time() - t0:.0f} s\n\n" + table(rows, args.tokenizer))
   print(out)
   if args.out_md:
     os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
