@@ -26,7 +26,8 @@ from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
 
 __all__ = ["prepare_devices", "start", "check_devices", "local_devices_needed",
-           "distributed_settings", "local_device_ids", "watch_peers", "idle_io_thread"]
+           "distributed_settings", "local_device_ids", "watch_peers", "idle_io_thread",
+           "one_malloc_arena"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -93,8 +94,7 @@ def prepare_devices(cfg: Config) -> None:
     # blocks of any size but makes the devices' threads of one process take
     # turns at its lock (docs/benchmark.md, "Page faults"): by default for one
     # device only.
-    arenas = cfg.run.cpu_malloc_arenas
-    accel.tune_cpu_malloc(one_arena=arenas == "one" or (arenas == "auto" and need == 1))
+    accel.tune_cpu_malloc(one_arena=one_malloc_arena(cfg.run.cpu_malloc_arenas, need))
     if distributed_settings(cfg)[1] == 1:
       # One process only: with the flag, two processes of a 2bw run (gloo
       # collectives) that load their step from JAX's persistent compilation
@@ -103,6 +103,19 @@ def prepare_devices(cfg: Config) -> None:
       flags = accel.merge_xla_flags(flags, accel.cpu_xla_flags())
   if flags:
     os.environ["XLA_FLAGS"] = flags
+
+
+def one_malloc_arena(choice: str, local_devices: int) -> bool:
+  """Whether a CPU process of `local_devices` devices gets one malloc arena.
+
+  `choice` is a value of `run.cpu_malloc_arenas`. `auto`: where it has one
+  device (no other device's thread to share the arena's lock with); `one`
+  and `per_thread` say it outright.
+  """
+  if choice not in config_lib.CPU_ARENAS:
+    raise ValueError(f"malloc arenas must be one of {', '.join(config_lib.CPU_ARENAS)}, "
+                     f"got {choice!r}")
+  return choice == "one" or (choice == "auto" and local_devices == 1)
 
 
 def start(cfg: Config) -> None:

@@ -144,6 +144,13 @@ def test_launcher_tunes_malloc_without_a_gpu_only(monkeypatch):
     assert tuned == want, (gpu, overrides)
 
 
+def test_one_malloc_arena_by_choice_and_devices():
+  assert [launch.one_malloc_arena(c, n) for c in ("auto", "one", "per_thread") for n in (1, 2)] \
+      == [True, False, True, True, False, False]
+  with pytest.raises(ValueError, match="malloc arenas must be one of auto, one, per_thread"):
+    launch.one_malloc_arena("threads", 1)
+
+
 def test_malloc_arena_key_is_validated():
   from jaxpipe.errors import ConfigError  # pylint: disable=g-import-not-at-top
   assert config_lib.load(_runs.TINY).run.cpu_malloc_arenas == "auto"

@@ -62,8 +62,8 @@ COMPARED = " [B]"
 # A worker of a 'x2' row leaves gloo's I/O thread at the normal class with
 # this set to "normal" (for --compare-env; train.py's key: dist.idle_io_thread).
 IO_THREAD_ENV = "JAXPIPE_BENCH_IO_THREAD"
-# A worker's malloc arenas: "one" or "threads" (for --compare-env); unset, as
-# train.py's launcher chooses (one arena for a process of one device).
+# A worker's malloc arenas, as train.py's key run.cpu_malloc_arenas takes them
+# (for --compare-env: "one" or "per_thread"); unset, "auto", as train.py's default.
 ARENA_ENV = "JAXPIPE_BENCH_ARENAS"
 
 # Marks the worker's replies on its stdout, where libraries (gloo) print too.
@@ -93,11 +93,11 @@ def worker(spec: dict[str, Any]) -> int:
   (`jaxpipe.accel.tune_cpu_malloc`; one arena where it has one device),
   unless its environment chooses.
   """
-  from jaxpipe import accel  # pylint: disable=g-import-not-at-top
+  from jaxpipe import accel, launch  # pylint: disable=g-import-not-at-top
   dist = spec.get("dist")
   devices = 1 if dist else spec["stages"] * spec["data"]
-  arenas = os.environ.get(ARENA_ENV, "one" if devices == 1 else "threads")
-  accel.tune_cpu_malloc(one_arena=arenas == "one")
+  accel.tune_cpu_malloc(one_arena=launch.one_malloc_arena(os.environ.get(ARENA_ENV, "auto"),
+                                                          devices))
   os.environ["XLA_FLAGS"] = worker_xla_flags(devices, spec.get("xla_flags", ""),
                                              distributed=bool(dist))
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -109,7 +109,6 @@ def worker(spec: dict[str, Any]) -> int:
                                process_id=dist["process_id"])
     _, new_threads = accel.start_backend()
     if os.environ.get(IO_THREAD_ENV) != "normal":
-      from jaxpipe import launch  # pylint: disable=g-import-not-at-top
       launch.idle_io_thread(new_threads, 1, dist["process_id"])  # as train.py's launcher
   shape = ModelShape(**spec["shape"])
   if spec["schedule"] == "ceiling":
