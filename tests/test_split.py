@@ -259,26 +259,32 @@ def test_split_runs_inside_shard_map_per_stage():
 def test_zb_h1_timetable(stages):
   M = 8
   table = zb_h1(stages, M)
-  # F = B = W = 1: stage 0 idles S - 1 slots waiting for its first B, and
-  # never again.
-  assert table.num_slots == 3 * M + stages - 1
+  # 1F1B's ticks; under F = B = W = 1 the step takes ZB-H1's 3M + S - 1
+  # units at S = 2 and, at S = 4, 29 against ZB-H1's 27 and 1F1B's 33.
+  assert table.num_ticks == M + 2 * (stages - 1)
+  assert table.cost == {2: 3 * M + 1, 4: 29}[stages]
+  busy = (table.fwd >= 0).astype(int) + (table.bwd >= 0) + (table.wgt >= 0).sum(-1)
+  assert table.cost == busy.max(axis=1).sum()
   when = {}
-  for kind, a in (("F", table.fwd), ("B", table.bwd), ("W", table.wgt)):
+  for kind, a in (("F", table.fwd), ("B", table.bwd)):
     for t, s in zip(*np.nonzero(a >= 0)):
       when[(kind, int(s), int(a[t, s]))] = int(t)
+  for t, s, j in zip(*np.nonzero(table.wgt >= 0)):
+    assert ("W", int(s), int(table.wgt[t, s, j])) not in when
+    when[("W", int(s), int(table.wgt[t, s, j]))] = int(t)
   assert len(when) == 3 * M * stages  # each item once
-  busy = (table.fwd >= 0).astype(int) + (table.bwd >= 0) + (table.wgt >= 0)
-  assert busy.max() == 1
   for s in range(stages):
     for m in range(M):
+      # A value sent in a tick is read in a later one; the head's cotangent,
+      # and B's W stash, in the same tick (the engine's phases: F, head, B, W).
       if s:
         assert when[("F", s, m)] > when[("F", s - 1, m)]
-      up = ("F", s, m) if s == stages - 1 else ("B", s + 1, m)
-      assert when[("B", s, m)] > when[up]
-      assert when[("W", s, m)] > when[("B", s, m)]
-    # Memory: at most S microbatches between F and W (1F1B's peak), and W's
-    # stash holds at most s + 1 of them.
-    for t in range(table.num_slots):
-      live = sum(when[("F", s, m)] <= t < when[("W", s, m)] for m in range(M))
-      waiting = sum(when[("B", s, m)] <= t < when[("W", s, m)] for m in range(M))
-      assert live <= stages and waiting <= s + 1
+      if s == stages - 1:
+        assert when[("B", s, m)] == when[("F", s, m)]
+      else:
+        assert when[("B", s, m)] > when[("B", s + 1, m)]
+      assert when[("W", s, m)] >= when[("B", s, m)]
+    # Memory: W's stash holds at most S + 1 microbatches at once.
+    for t in range(table.num_ticks):
+      waiting = sum(when[("B", s, m)] <= t and t <= when[("W", s, m)] for m in range(M))
+      assert waiting <= table.w_slots() <= stages + 1

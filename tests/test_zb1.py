@@ -90,7 +90,7 @@ def test_zb1_matches_one_device(s, d, m, stash, variant):
 
 # --- what the engine executes ------------------------------------------------
 
-# S=4 stages on data 2, M=4: 15 ticks.
+# S=4 stages on data 2, M=4: 10 ticks.
 COUNT = (4, 2, 4)
 
 
@@ -173,9 +173,9 @@ def _planned(step, stage, with_b):
   out = []
   for t in range(plan.num_ticks):
     c = table.cells[step * plan.num_ticks + t][stage]
-    for mb, column in ((c.fwd, plan.fwd), (c.bwd, plan.bwd), (c.wgt, plan.wgt)):
+    for mb, column in ((c.fwd, plan.fwd), (c.bwd, plan.bwd)):
       assert mb == (None if column[t, stage] < 0 else step * m + int(column[t, stage]))
-    assert sum(x is not None for x in (c.fwd, c.bwd, c.wgt)) <= 1
+    assert c.wgt == tuple(step * m + int(w) for w in plan.wgt[t, stage] if w >= 0)
     if c.fwd is not None:
       out.append(c.fwd)
     if with_b and c.bwd is not None:
@@ -232,42 +232,70 @@ def test_zb1_traces_w_under_its_own_phase():
 def test_zb1_plan_rings_hold_each_value_until_it_is_read(s):
   """Replaying the plan's slots: every B reads its F's stash entry, every W its B's.
 
-  A tick writes (F's entry, B's W stash) after it reads, per stage; a
-  received input (cotangent) is read by the stage's F (B) of that
-  microbatch before the neighbour sends the next one (`inbox_slots` 1).
+  In the engine's order within a tick, per stage: F writes its entry
+  (slot mod the ring), B reads one and writes W's stash, then the tick's
+  W's read theirs. A received input (cotangent) is read by the stage's F
+  (B) of that microbatch before the neighbour sends the next one
+  (`inbox_slots` 1). The rings are 1F1B's 2(S-1)+1 slots and at most S+1
+  of W's, as `w_slots` says.
   """
   for m in range(1, 13):
     plan = step_plan("zb1", s, m)
-    assert plan.split_backward and plan.slots == s and plan.w_slots == s
+    assert plan.split_backward and plan.slots == 2 * s - 1
+    assert 1 <= plan.w_slots <= s + 1
     assert plan.inbox_slots == 1
     for st in range(s):
-      ring, wring = {}, {}
+      ring, wring, ran = {}, {}, []
       for t in range(plan.num_ticks):
-        f, b, w = (int(a[t, st]) for a in (plan.fwd, plan.bwd, plan.wgt))
-        assert (f >= 0) + (b >= 0) + (w >= 0) <= 1
-        if b >= 0:
-          assert ring[int(plan.bwd_slot[t, st])] == b
-          wring[int(plan.bwd_wslot[t, st])] = b
-        if w >= 0:
-          assert wring[int(plan.wgt_slot[t, st])] == w
+        f, b = int(plan.fwd[t, st]), int(plan.bwd[t, st])
         if f >= 0:
-          ring[int(plan.fwd_slot[t, st])] = f
-      assert sorted(plan.wgt[:, st][plan.wgt[:, st] >= 0]) == list(range(m))
+          ring[int(plan.fwd_slot[t, st]) % plan.slots] = f
+        if b >= 0:
+          assert ring[int(plan.bwd_slot[t, st]) % plan.slots] == b
+          wring[int(plan.bwd_wslot[t, st])] = b
+        for w, slot in zip(plan.wgt[t, st], plan.wgt_slot[t, st]):
+          if w >= 0:
+            assert 0 <= slot < plan.w_slots and wring.pop(int(slot)) == w
+            ran.append(int(w))
+      assert sorted(ran) == list(range(m)) and not wring
 
 
-@pytest.mark.parametrize("s,m", [(2, 8), (4, 8), (4, 4), (8, 16)])
+# Step length in units (F = B = W = 1): 1F1B's 3(M+S-1), ZB-H1's own
+# 3M+S-1, and zb1's on 1F1B's ticks (`_zbh1`): ZB-H1's at S=2, between the
+# two beyond.
+ZB1_UNITS = {(2, 8): 25, (2, 32): 97, (4, 4): 17, (4, 8): 29, (8, 16): 61}
+
+
+def test_zb1_step_is_3m_plus_2s_minus_3_units():
+  """On 1F1B's ticks W fills all it can: 3M+2S-3 units for M >= S, one more below.
+
+  At S=2 that is ZB-H1's own 3M+S-1 (M >= 2); beyond, S units less than
+  1F1B's 3(M+S-1) for every M.
+  """
+  for s in range(2, 9):
+    for m in range(1, 25):
+      cost = facts("zb1", s, m).step_cost
+      assert cost == 3 * m + 2 * s - 3 + (m < s), (s, m)
+      assert cost == facts("1f1b", s, m).step_cost - s + (m < s), (s, m)
+
+
+@pytest.mark.parametrize("s,m", sorted(ZB1_UNITS))
 def test_zb1_facts(s, m):
-  """3M+S-1 ticks of one unit each (F = B = W = 1), a bubble of (S-1)/(3M+S-1).
+  """1F1B's M+2(S-1) ticks, each as long as its busiest stage's F, B and W's.
 
-  The same from the facts, the plan's tick costs and the drawn cells; one
-  weight version, no delay, S stash slots.
+  The same from the facts, the plan's tick costs and the drawn cells; at
+  S=2 the step is ZB-H1's 3M+S-1 units (bubble (S-1)/(3M+S-1)), never
+  longer than 1F1B's; one weight version, no delay, 1F1B's stash slots.
   """
   f = facts("zb1", s, m)
-  assert f.ticks == 3 * m + s - 1
-  assert f.step_cost == f.ticks
-  assert f.bubble == pytest.approx((s - 1) / (3 * m + s - 1))
-  assert f.bubble < facts("1f1b", s, m).bubble
-  assert (f.versions, f.gradient_delay, f.flushes, f.stash_slots) == (1, "none", True, s)
+  assert f.ticks == m + 2 * (s - 1) == facts("1f1b", s, m).ticks
+  assert f.step_cost == ZB1_UNITS[(s, m)]
+  assert 3 * m + s - 1 <= f.step_cost < facts("1f1b", s, m).step_cost
+  assert f.bubble == pytest.approx(1 - 3 * m / f.step_cost)
+  if s == 2:
+    assert f.bubble == pytest.approx((s - 1) / (3 * m + s - 1))
+  assert (f.versions, f.gradient_delay, f.flushes, f.stash_slots) == (1, "none", True,
+                                                                       2 * s - 1)
   tt = timetable("zb1", s, m, num_steps=1)
   assert tt.idle_fraction(0) == pytest.approx(f.bubble)
   assert "W0" in tt.ascii() and f"idle {f.bubble:.1%}" in tt.ascii()

@@ -193,11 +193,17 @@ def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
     x, w = edges[t], edges[t + 1] - edges[t]
     fwd_half, bwd_half = _tick_halves(tt, t)
     for s, c in enumerate(row):
-      if tt.split_backward:  # zb1: one of F, B, W per cell (W drawn as a backward)
-        kind, mb = next(((k, m) for k, m in (("F", c.fwd), ("B", c.bwd), ("W", c.wgt))
-                         if m is not None), ("F", None))
-        # One weight version per step (it flushes): the step's.
-        box(x, s, w, 1.0, mb, t // tt.ticks_per_step, kind == "F", kind, 0)
+      if tt.split_backward:
+        # zb1: the stage's F, B and W's one after another, a unit of time each
+        # (W drawn as a backward), then idle to the tick's end. One weight
+        # version per step (it flushes): the step's.
+        unit = 1.0 / _FULL_TICK
+        items = [(k, m) for k, m in (("F", c.fwd), ("B", c.bwd)) if m is not None]
+        items += [("W", m) for m in c.wgt]
+        for i, (kind, mb) in enumerate(items):
+          box(x + i * unit, s, unit, 1.0, mb, t // tt.ticks_per_step, kind == "F", kind, 0)
+        if w - len(items) * unit > 1e-9:
+          box(x + len(items) * unit, s, w - len(items) * unit, 1.0, None, None, False, "", 0)
       elif fwd_half and bwd_half:
         box(x, s, w, 0.5, c.fwd, c.fwd_version, True, "F", c.fwd_chunk)
         box(x, s + 0.5, w, 0.5, c.bwd, c.bwd_version, False, "B", c.bwd_chunk)

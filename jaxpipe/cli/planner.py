@@ -281,17 +281,18 @@ def _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list
 
   A zb1 tick's program holds each phase under a cond and `flops` counts a
   cond's costlier branch: a one-tick plan in which every stage runs F, B
-  and W of one microbatch (which no real tick does, but the program is the
-  same) counts each phase once, the head included, as 1f1b's steady tick does.
+  and one W (a steady tick) counts each phase once, the head included, as
+  1f1b's steady tick does.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import flops as count_flops, stage_tick  # pylint: disable=g-import-not-at-top
   cells = np.zeros((1, plan_obj.num_stages), np.int32)
   rows = np.zeros((1,), np.int32)
   every = dataclasses.replace(
-      plan_obj, **{k: cells for k in ("fwd", "bwd", "wgt", "fwd_version", "bwd_version", "acc",
-                                      "fwd_slot", "bwd_slot", "bwd_wslot", "wgt_slot",
+      plan_obj, **{k: cells for k in ("fwd", "bwd", "fwd_version", "bwd_version", "acc",
+                                      "fwd_slot", "bwd_slot", "bwd_wslot",
                                       "fwd_chunk", "bwd_chunk")},
+      **{k: cells[..., None] for k in ("wgt", "wgt_slot")},  # one W per cell
       **{k: rows for k in ("embed_version", "head_version", "head_acc", "embed_grad_version",
                            "embed_acc")})
   out = []

@@ -541,7 +541,7 @@ class Engine:
     if kind.bwd:
       with jax.named_scope(PHASE["backward"]):
         if self.split_stage is not None:
-          send_b, wstash, losses = self._backward_input(ctx, c, row, stash, losses)
+          send_b, wstash, losses = self._backward_input(ctx, c, row, stash, g_head, losses)
         else:
           send_b, accs, losses = self._backward(kind, ctx, c, row, stash, g_head, accs, losses,
                                                 gaps[1])
@@ -813,14 +813,16 @@ class Engine:
     return g_x, accs, losses
 
   def _backward_input(self, ctx: _Ctx, c: TickCarry, row: dict, stash: dict,
-                      losses: jax.Array) -> tuple[jax.Array, Tree, jax.Array]:
+                      g_head: Optional[jax.Array], losses: jax.Array
+                      ) -> tuple[jax.Array, Tree, jax.Array]:
     """zb1's B on this stage: (input cotangent to send, W's stash ring, losses).
 
     B pulls the cotangent back to the stage input only (`SplitStage`; with
     `stash='inputs'` it recomputes the forward once, and W does not) and
     keeps what W needs in W's ring, at the slot the plan names; the weights'
-    gradient is W's. The last stage's cotangent is the head's, stashed by
-    its forward's tick. B adds the forward's auxiliary loss, as a backward does.
+    gradient is W's. The last stage's cotangent is the head's, of this
+    tick (its F and B of a microbatch share a tick, as in 1F1B). B adds the
+    forward's auxiliary loss, as a backward does.
     """
     s, split = ctx.stage, self.split_stage
     b = row["bwd"][s]
@@ -831,7 +833,8 @@ class Engine:
     def run():
       entry = jax.tree.map(lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False),
                            stash)
-      g_y = jnp.where(ctx.is_last, entry["dh"], c.bwd_buf).astype(c.bwd_buf.dtype)
+      top = jnp.zeros_like(c.bwd_buf) if g_head is None else g_head.astype(c.bwd_buf.dtype)
+      g_y = jnp.where(ctx.is_last, top, c.bwd_buf)
       g_aux = make_varying(jnp.ones((), entry["aux"].dtype))
       if self.stash_mode == "residuals":
         g_x, w = split.backward_input(blocks, entry["res"], g_y, g_aux)
@@ -850,24 +853,33 @@ class Engine:
     return g_x, wstash, losses
 
   def _backward_weights(self, ctx: _Ctx, row: dict, wstash: Tree, accs: list) -> list:
-    """zb1's W on this stage: the accumulators with the weights' gradient added.
+    """zb1's W's on this stage: the accumulators with the weights' gradients added.
 
-    W reads what B kept for it (W's ring, at the slot the plan names) and
-    runs the weight-gradient half of the backward alone, under a cond on
-    this stage's own row: an empty slot adds nothing and computes nothing.
+    Each W reads what B kept for it (W's ring, at the slot the plan names)
+    and runs the weight-gradient half of the backward alone, under a cond on
+    this stage's own row: an empty entry adds nothing and computes nothing.
+    A cell may hold several W's (the drain's): a loop over the plan's J
+    entries runs one copy of W's program.
     """
     s = ctx.stage
-    w = row["wgt"][s]
-    slot = jnp.where(w >= 0, row["wgt_slot"][s], self.w_trash)
-    blocks, acc = ctx.blocks[0], accs[0][0]
+    blocks = ctx.blocks[0]
 
-    def run():
-      entry = jax.tree.map(lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False),
-                           wstash)
-      g = self.split_stage.backward_weights(blocks, entry)
-      return make_varying(jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g))
+    def one(acc, item):
+      w, slot = item
+      slot = jnp.where(w >= 0, slot, self.w_trash)
 
-    acc = lax.cond(self._valid(ctx, w), run, lambda: acc)
+      def run():
+        entry = jax.tree.map(
+            lambda ring: lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False), wstash)
+        g = self.split_stage.backward_weights(blocks, entry)
+        return make_varying(jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g))
+
+      return lax.cond(self._valid(ctx, w), run, lambda: acc), None
+
+    ws, slots = row["wgt"][s], row["wgt_slot"][s]
+    acc = accs[0][0]
+    for j in range(ws.shape[0]):
+      acc, _ = one(acc, (ws[j], slots[j]))
     return [(acc, accs[0][1])] + list(accs[1:])
 
   def _embed_grad_step(self, ctx: _Ctx, carry: TickCarry, grads_x0: list) -> TickCarry:

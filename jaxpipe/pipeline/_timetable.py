@@ -26,10 +26,13 @@ and per tick (arrays of shape [ticks]), for the work every stage shares:
 ZB-H1 (`zb1`, a backward split into B and W: `split_backward`) adds, per
 (tick, stage),
 
-  wgt                the window index of the microbatch whose weight gradient
-                     (W) stage s runs, or -1 (every other plan: -1 throughout);
-  bwd_wslot,         the slot of W's stash that B writes and W reads (the
-  wgt_slot           engine's second ring, of `w_slots` slots);
+  wgt                int32 [T, S, J]: the window indices of the microbatches
+                     whose weight gradients (W) stage s runs in the tick,
+                     oldest first, -1 padded (J = 1 and -1 throughout in
+                     every other plan);
+  bwd_wslot,         the slot of W's stash that B writes ([T, S]) and each W
+  wgt_slot           reads ([T, S, J]; the engine's second ring, of `w_slots`
+                     slots);
 
 and there `bwd` is B alone (the input's gradient; its weight gradient waits
 in W's stash for the stage's W).
@@ -87,7 +90,8 @@ FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 # Split into its two halves (zb1): B, the input's gradient, and W, the
 # weights', one unit each (ZB-H1's own model, F = B = W); they add up to the
 # backward, since the split recomputes nothing (`_split`). A zb1 tick runs at
-# most one of F, B, W per stage and lasts as long as its slowest: one unit.
+# most one F, one B and any number of W per stage and lasts as long as its
+# busiest stage (`_zbh1`).
 INPUT_GRAD_COST, WEIGHT_GRAD_COST = 1.0, 1.0
 
 
@@ -215,9 +219,8 @@ def stash_slots(schedule: str, num_stages: int, num_microbatches: int,
   A microbatch's stage input (or its residuals) lives on stage s from its
   forward to its backward, 2(S-1-s) ticks later; the engine writes a tick's
   forward before it reads its backward, so 2(S-1)+1 slots serve every stage
-  of 1f1b, 2bw and pipedream. GPipe runs every forward before any backward:
-  M slots. ZB-H1: S (stage 0 holds 1F1B's S forwards before its first B; a
-  stage's F of microbatch m + S comes after its B of m, so slot m mod S).
+  of 1f1b, 2bw, pipedream and zb1 (whose F and B run in 1F1B's ticks).
+  GPipe runs every forward before any backward: M slots.
   Interleaved: as many as its plan has alive at once ((v+1)S-1
   chunk inputs once M v reaches that; see `_interleaved`).
   """
@@ -227,8 +230,6 @@ def stash_slots(schedule: str, num_stages: int, num_microbatches: int,
     return 0
   if schedule == "interleaved":
     return _interleaved(num_stages, num_microbatches, virtual_stages)[-1]
-  if schedule == "zb1":
-    return num_stages
   return 2 * (num_stages - 1) + 1
 
 
@@ -287,12 +288,12 @@ class StepPlan:
     fwd_chunk, bwd_chunk: int32 [T, S], the chunk of each forward and
       backward (-1 for none).
     split_backward: B and W run apart (zb1): `bwd` is B, `wgt` W.
-    wgt, bwd_wslot, wgt_slot: int32 [T, S] (-1 throughout but in zb1).
+    wgt, wgt_slot: int32 [T, S, J]; bwd_wslot: int32 [T, S] (-1 throughout
+      but in zb1).
     w_slots: W's stash slots per stage (0 but in zb1).
-    inbox_slots: in zb1, a stage may run its F (its B) of a microbatch
-      some ticks after its neighbour sent the input (the cotangent), which
-      waits until then: how many such values a stage must hold at once
-      (`_inbox_slots`; 1 for ZB-H1's orders, which the engine requires).
+    inbox_slots: in zb1, how many received inputs (cotangents) a stage
+      must hold at once before its F (B) of them (`_inbox_slots`; 1 on
+      1F1B's ticks, which the engine requires).
   """
   schedule: str
   num_stages: int
@@ -403,12 +404,12 @@ class StepPlan:
     """[T] duration of each tick under the cost model (FORWARD_COST, BACKWARD_COST).
 
     An interleaved tick runs one chunk, 1/v of a stage's blocks: it lasts 1/v
-    of a tick of the other schedules. A zb1 tick lasts as long as the
-    longest of its stages' one item each (F, B or W, one unit each).
+    of a tick of the other schedules. A zb1 tick lasts as long as its
+    busiest stage's F, B and W's (one unit each).
     """
     if self.split_backward:
       work = (FORWARD_COST * (self.fwd >= 0) + INPUT_GRAD_COST * (self.bwd >= 0)
-              + WEIGHT_GRAD_COST * (self.wgt >= 0))
+              + WEIGHT_GRAD_COST * (self.wgt >= 0).sum(axis=-1))
       return work.max(axis=1).astype(float)
     return np.array([(FORWARD_COST * k.fwd + BACKWARD_COST * k.bwd) / self.virtual_stages
                      for k in map(self.kind, range(self.num_ticks))])
@@ -439,6 +440,28 @@ def _inbox_slots(fwd: np.ndarray, bwd: np.ndarray) -> int:
     if all(read[i] <= sent[i + k] for sent, read in pairs for i in range(m - k)):
       return k
   return int(m)
+
+
+def _w_slots(bwd: np.ndarray, wgt: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+  """W's stash slots: (B's slot [T, S], each W's [T, S, J], slots per stage).
+
+  Per stage, B takes the lowest free slot and W frees it. W's order is not
+  B's (a W may wait past later ones), so slots are handed out, not m mod K.
+  A tick's B writes before its W's read: their slots are not yet free.
+  """
+  bwd_wslot, wgt_slot = np.full_like(bwd, -1), np.full_like(wgt, -1)
+  most = 0
+  for s in range(bwd.shape[1]):
+    held = {}
+    for t in range(bwd.shape[0]):
+      if bwd[t, s] >= 0:
+        free = min(set(range(len(held) + 1)) - set(held.values()))
+        held[int(bwd[t, s])] = bwd_wslot[t, s] = free
+        most = max(most, len(held))
+      for j, w in enumerate(wgt[t, s]):
+        if w >= 0:
+          wgt_slot[t, s, j] = held.pop(int(w))
+  return bwd_wslot, wgt_slot, most
 
 
 def step_plan(schedule: str, num_stages: int, num_microbatches: int,
@@ -480,7 +503,7 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int,
     batch = np.zeros(window, np.int32)
     slot = None
   elif schedule == "zb1":
-    # ZB-H1's slots as ticks: each stage runs at most one of F, B, W per tick.
+    # 1F1B's ticks, each stage's W moved into ticks it would idle in (`_zbh1`).
     window, history, versions = m, 0, 1
     table = zb_h1(s_, m)
     fwd, bwd, wgt = table.fwd, table.bwd, table.wgt
@@ -511,10 +534,11 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int,
   head_version = _per_tick(heads, batch)
   shared_versions = versions
   split = wgt is not None
-  # W's stash lives from B to W, at most s + 1 <= S microbatches on stage s
-  # (`_zbh1`): slot m mod S.
-  wslot = np.arange(window) % s_
-  wgt = np.full_like(fwd, -1) if wgt is None else wgt.astype(np.int32)
+  if split:
+    bwd_wslot, wgt_slot, w_slots = _w_slots(bwd, wgt)
+  else:
+    wgt = np.full(fwd.shape + (1,), -1, np.int32)
+    bwd_wslot, wgt_slot, w_slots = np.full_like(fwd, -1), wgt.copy(), 0
   if schedule == "pipedream":
     # Shared version 0 is the embedding's (stage 0's lag), 1 the head's (none).
     head_version = np.where(fwd[:, -1] >= 0, 1, -1).astype(np.int32)
@@ -523,16 +547,14 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int,
       schedule=schedule, num_stages=s_, num_microbatches=m, window=window, history=history,
       num_versions=versions, num_shared_versions=shared_versions, num_accumulators=versions,
       slots=stash_slots(schedule, s_, m, v), slot_base_step=schedule == "2bw",
-      head_stash=schedule in ("gpipe", "zb1"), virtual_stages=v,
+      head_stash=schedule == "gpipe", virtual_stages=v,
       fwd=fwd, bwd=bwd, fwd_version=_per_tick(fwd, batch), bwd_version=_per_tick(bwd, batch),
       acc=acc, fwd_slot=fwd_slot.astype(np.int32), bwd_slot=bwd_slot.astype(np.int32),
       embed_version=_per_tick(embeds, batch), head_version=head_version,
       head_acc=_per_tick(heads, batch), embed_grad_version=_per_tick(grads, batch),
       embed_acc=_per_tick(grads, batch), fwd_chunk=fwd_chunk, bwd_chunk=bwd_chunk,
-      split_backward=split, wgt=wgt,
-      bwd_wslot=_per_tick(bwd, wslot) if split else np.full_like(fwd, -1),
-      wgt_slot=_per_tick(wgt, wslot), w_slots=s_ if split else 0,
-      inbox_slots=_inbox_slots(fwd, bwd) if split else 0)
+      split_backward=split, wgt=wgt, bwd_wslot=bwd_wslot, wgt_slot=wgt_slot,
+      w_slots=w_slots, inbox_slots=_inbox_slots(fwd, bwd) if split else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -609,7 +631,8 @@ class Cell:
   A chunk is which of the stage's chunks of blocks the forward (backward)
   runs: 0 but in interleaved, where chunk j of stage s is the pipeline's
   virtual stage j*S + s. In zb1 `bwd` is B (the input's gradient) and `wgt`
-  W (the weights'), with `wgt_slot` W's stash slot; None elsewhere.
+  the microbatches whose W (the weights' gradient) the stage runs, in
+  order, with `wgt_slot` their W's stash slots; empty elsewhere.
   """
   fwd: Optional[int] = None
   bwd: Optional[int] = None
@@ -619,8 +642,8 @@ class Cell:
   bwd_slot: Optional[int] = None
   fwd_chunk: Optional[int] = None
   bwd_chunk: Optional[int] = None
-  wgt: Optional[int] = None
-  wgt_slot: Optional[int] = None
+  wgt: tuple[int, ...] = ()
+  wgt_slot: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -629,8 +652,9 @@ class Timetable:
 
   `tick_costs[t]` is tick t's duration under the cost model (1 for a
   forward, 2 for a backward, 3 for a tick with both; divided by v for
-  interleaved's ticks, which run one of a stage's v chunks; 1 for zb1's, in
-  which each stage runs one of F, B and W, `split_backward`).
+  interleaved's ticks, which run one of a stage's v chunks; for zb1's, in
+  which a stage runs F, B and W's of one unit each (`split_backward`), its
+  busiest stage's count).
   """
   schedule: str
   num_stages: int
@@ -656,7 +680,7 @@ class Timetable:
     lo, hi = step * self.ticks_per_step, (step + 1) * self.ticks_per_step
     b_cost = INPUT_GRAD_COST if self.split_backward else BACKWARD_COST
     busy = sum(FORWARD_COST * (c.fwd is not None) + b_cost * (c.bwd is not None)
-               + WEIGHT_GRAD_COST * (c.wgt is not None)
+               + WEIGHT_GRAD_COST * len(c.wgt)
                for row in self.cells[lo:hi] for c in row) / self.virtual_stages
     return 1.0 - busy / (sum(self.tick_costs[lo:hi]) * self.num_stages)
 
@@ -668,8 +692,8 @@ class Timetable:
     weight version when more than one is alive, and with v > 1 chunks a
     `c` the stage's chunk (`F3c1`: microbatch 3 through the stage's second
     chunk); `.` is an idle slot, and a tick in which no stage runs a forward
-    (or a backward) drops that half. A zb1 cell is one of `F3`, `B3` (the
-    input's gradient) and `W3` (the weights'), or `.`.
+    (or a backward) drops that half. A zb1 cell lists its items, as in
+    `F3/B1/W0W1` (B: the input's gradient; W: the weights'), or `.`.
     """
     if self.split_backward:
       return self._ascii_split()
@@ -709,12 +733,11 @@ class Timetable:
             for k in range(self.num_steps)]
 
   def _ascii_split(self) -> str:
-    """`ascii` of a zb1 timetable: one item (F, B or W) or `.` per cell."""
+    """`ascii` of a zb1 timetable: a cell's F, B and W's, or `.`."""
     def item(c: Cell) -> str:
-      for kind, mb in (("F", c.fwd), ("B", c.bwd), ("W", c.wgt)):
-        if mb is not None:
-          return f"{kind}{mb}"
-      return "."
+      parts = [f"{kind}{mb}" for kind, mb in (("F", c.fwd), ("B", c.bwd)) if mb is not None]
+      parts += ["".join(f"W{mb}" for mb in c.wgt)] if c.wgt else []
+      return "/".join(parts) or "."
 
     cols = [[item(c) for c in row] for row in self.cells]
     width = max(max(len(x) for col in cols for x in col), len(str(self.num_ticks - 1)))
@@ -761,7 +784,9 @@ def timetable(schedule: str, num_stages: int, num_microbatches: int,
     for t in range(plan.num_ticks):
       row = []
       for s in range(s_):
-        f, b, w = int(plan.fwd[t, s]), int(plan.bwd[t, s]), int(plan.wgt[t, s])
+        f, b = int(plan.fwd[t, s]), int(plan.bwd[t, s])
+        ws = [(int(w), int(slot)) for w, slot in zip(plan.wgt[t, s], plan.wgt_slot[t, s])
+              if w >= 0]
         fg = k * m + first + f if f >= 0 else None
         bg = k * m + first + b if b >= 0 else None
         fg = fg if fg is not None and fg >= 0 else None   # 2bw's fill: no batch -1
@@ -774,8 +799,7 @@ def timetable(schedule: str, num_stages: int, num_microbatches: int,
             None if bg is None else (base + int(plan.bwd_slot[t, s])) % plan.slots,
             None if fg is None else int(plan.fwd_chunk[t, s]),
             None if bg is None else int(plan.bwd_chunk[t, s]),
-            k * m + w if w >= 0 else None,
-            int(plan.wgt_slot[t, s]) if w >= 0 else None))
+            tuple(k * m + w for w, _ in ws), tuple(slot for _, slot in ws)))
       rows.append(tuple(row))
   costs = tuple(float(c) for c in plan.tick_costs()) * num_steps
   return Timetable(schedule, s_, m, num_steps, plan.num_ticks, tuple(rows), costs,

@@ -1,18 +1,31 @@
-"""ZB-H1's timetable (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, 2024).
+"""ZB-H1 on 1F1B's ticks (after Qi et al., "Zero Bubble Pipeline Parallelism", arXiv 2401.10241).
 
-A slot is one unit of work on every stage: a forward F, an input-gradient
-backward B or a weight-gradient backward W of one microbatch (the cost model
-F = B = W = 1), with activations and cotangents crossing to the neighbour
-stages between slots. Stage s runs, in order, 1F1B's sequence of F and B
-(S - s forwards, then B and F alternately, then the remaining B), and W of
-microbatch m right after B of microbatch m + s (then the last s W at the
-end): stage s defers its W by s microbatches, which fills the drain that
-1F1B leaves. Each stage then holds at most S microbatches between their F
-and their W (1F1B's peak, on stage 0); B frees the forward's residuals and
-W's stash lives from B to W, at most s + 1 microbatches.
+ZB-H1 splits a stage's backward into B (the input's gradient, which the
+previous stage waits for) and W (the weights' gradient, which can wait) and
+moves W into the pipeline's drain, where 1F1B leaves stages idle. The paper
+places one item per stage per slot; in an SPMD program in which every stage
+runs the same tick in lockstep, each slot is a tick that lasts as long as
+its slowest item and pays a tick's fixed costs (the exchange, the conds), so
+3M + S - 1 short ticks cost more than ZB-H1 saves (measured:
+docs/benchmark.md). Here the ticks are 1F1B's (M + 2(S-1) of them; stage s
+runs the forward of microbatch t - s and the backward's B of microbatch
+t - 2(S-1) + s in tick t) and only W moves: a tick runs, per stage, at most
+one F, at most one B and any number of W, and lasts as long as the stage
+with the most work in it.
 
-The step takes 3M + S - 1 slots, a bubble of (S - 1) / (3M + S - 1) against
-1F1B's 3(S - 1) / (3M + 3(S - 1)) in the same slots (B and W fused).
+W is placed greedily, tick by tick (`_place_w`): a stage keeps at most K - 1
+W's pending after a tick (the older ones run in it; each costs a slot of W's
+stash), the tick lasts as long as its busiest stage then, and every stage
+fills what is left of the tick with its oldest pending W's; the last tick
+runs every W still pending. K = 1 is 1F1B (W right after its B); a larger K
+lets a stage skip W in the ticks where it is the slowest (the last stage
+while the pipeline fills, and the first while it drains) and run it where
+another stage sets the tick's length. `zb_h1` takes the K in 1..S+1 of the
+cheapest step under ZB-H1's cost model (F = B = W = 1), the smallest on a
+tie. At S = 2 this reaches ZB-H1's own 3M + S - 1 units (its bubble,
+(S-1)/(3M+S-1), a third of 1F1B's); at larger S the fill, in which the
+last stage runs F and B in one tick while the others run F alone, keeps
+some of 1F1B's bubble (S=4, M=8: 29 units against ZB-H1's 27 and 1F1B's 33).
 """
 
 from __future__ import annotations
@@ -23,88 +36,95 @@ import numpy as np
 
 __all__ = ["ZBTable", "zb_h1"]
 
+# ZB-H1's cost model: F, B and W one unit each.
+_F, _B, _W = 1.0, 1.0, 1.0
+
 
 class ZBTable(NamedTuple):
-  """Per slot and stage, the microbatch of each kind of work (-1: none).
+  """Per tick and stage, the microbatch of each kind of work (-1: none).
 
   Attributes:
-    fwd, bwd, wgt: int [slots, stages] arrays: F, B and W (one of them, at
-      most, is >= 0 per entry).
+    fwd, bwd: int32 [ticks, stages]: F and B.
+    wgt: int32 [ticks, stages, J]: the W's of the cell, oldest first, -1
+      padded (J: the most W's any cell runs).
+    cost: the step's length under the cost model (the sum over ticks of the
+      busiest stage's work).
   """
   fwd: np.ndarray
   bwd: np.ndarray
   wgt: np.ndarray
+  cost: float
 
   @property
-  def num_slots(self) -> int:
-    """How many slots the step takes."""
+  def num_ticks(self) -> int:
+    """How many ticks the step takes."""
     return self.fwd.shape[0]
 
-  def render(self) -> str:
-    """The table as text: a row per stage, a column per slot."""
-    rows = ["slot " + " ".join(f"{t:>3}" for t in range(self.num_slots))]
+  def w_slots(self) -> int:
+    """W's stash slots a stage needs: the most microbatches between B and W at once.
+
+    A tick runs B before its W's, so a microbatch whose W runs in a tick
+    still holds its slot when that tick's B writes.
+    """
+    most = 0
     for s in range(self.fwd.shape[1]):
-      cells = []
-      for t in range(self.num_slots):
-        for kind, a in (("F", self.fwd), ("B", self.bwd), ("W", self.wgt)):
-          if a[t, s] >= 0:
-            cells.append(f"{kind}{a[t, s]}")
-            break
-        else:
-          cells.append(".")
-      rows.append(f"s{s:<3} " + " ".join(f"{c:>3}" for c in cells))
-    return "\n".join(rows)
+      held = 0
+      for t in range(self.num_ticks):
+        held += int(self.bwd[t, s] >= 0)
+        most = max(most, held)
+        held -= int((self.wgt[t, s] >= 0).sum())
+    return most
 
 
-def _order(num_stages: int, num_microbatches: int, stage: int) -> list:
-  """Stage `stage`'s work in order: (kind, microbatch)."""
-  warm = min(num_stages - stage, num_microbatches)
-  seq = [("F", m) for m in range(warm)]
-  next_f = warm
-  for m in range(num_microbatches):
-    seq.append(("B", m))
-    if m - stage >= 0:
-      seq.append(("W", m - stage))
-    if next_f < num_microbatches:
-      seq.append(("F", next_f))
-      next_f += 1
-  seq += [("W", m) for m in range(max(0, num_microbatches - stage), num_microbatches)]
-  return seq
+def _one_f_one_b(num_stages: int, num_microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+  """1F1B's ticks: (fwd, bwd) int32 [M + 2(S-1), S], -1 where a stage has none."""
+  s_, m = num_stages, num_microbatches
+  tick = np.arange(m + 2 * (s_ - 1))[:, None]
+  stage = np.arange(s_)[None, :]
+  f, b = tick - stage, tick - 2 * (s_ - 1) + stage
+  return (np.where((f >= 0) & (f < m), f, -1).astype(np.int32),
+          np.where((b >= 0) & (b < m), b, -1).astype(np.int32))
+
+
+def _place_w(fwd: np.ndarray, bwd: np.ndarray, keep: int) -> tuple[list, float]:
+  """W's placed greedily (module docstring) with at most `keep` - 1 pending after a tick.
+
+  Returns (per tick and stage, the list of W's microbatches; the step's cost).
+  """
+  ticks, stages = fwd.shape
+  pending = [[] for _ in range(stages)]
+  cells, total = [], 0.0
+  for t in range(ticks):
+    fb = [_F * (fwd[t, s] >= 0) + _B * (bwd[t, s] >= 0) for s in range(stages)]
+    for s in range(stages):
+      if bwd[t, s] >= 0:
+        pending[s].append(int(bwd[t, s]))
+    may_keep = keep - 1 if t < ticks - 1 else 0
+    runs = [max(0, len(p) - may_keep) for p in pending]
+    length = max(fb[s] + _W * runs[s] for s in range(stages))
+    row = []
+    for s in range(stages):
+      while runs[s] < len(pending[s]) and fb[s] + _W * (runs[s] + 1) <= length:
+        runs[s] += 1
+      row.append(pending[s][:runs[s]])
+      pending[s] = pending[s][runs[s]:]
+    cells.append(row)
+    total += length
+  return cells, total
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> ZBTable:
-  """ZB-H1's timetable: each stage's order (module docstring), each item at its earliest slot.
-
-  An item waits for its stage's previous item and for its input: F for the
-  previous stage's F of the microbatch, B for the next stage's B (the last
-  stage: its own F), W for its own B; a result is usable the slot after.
-  """
-  S, M = num_stages, num_microbatches
-  orders = [_order(S, M, s) for s in range(S)]
-  done, pos, free = {}, [0] * S, [0] * S
-  placed = []
-  progress = True
-  while progress:
-    progress = False
-    for s in range(S):
-      while pos[s] < len(orders[s]):
-        kind, m = orders[s][pos[s]]
-        if kind == "F":
-          dep = ("F", s - 1, m) if s else None
-        elif kind == "B":
-          dep = ("F", s, m) if s == S - 1 else ("B", s + 1, m)
-        else:
-          dep = ("B", s, m)
-        if dep is not None and dep not in done:
-          break
-        t = max(free[s], done[dep] if dep else 0)
-        done[(kind, s, m)] = t + 1
-        placed.append((t, s, kind, m))
-        free[s], pos[s], progress = t + 1, pos[s] + 1, True
-  if any(p < len(o) for p, o in zip(pos, orders)):
-    raise AssertionError("ZB-H1's orders deadlocked")  # cannot happen: each order is 1F1B's
-  slots = max(free)
-  tables = {k: np.full((slots, S), -1, np.int32) for k in "FBW"}
-  for t, s, kind, m in placed:
-    tables[kind][t, s] = m
-  return ZBTable(tables["F"], tables["B"], tables["W"])
+  """zb1's timetable: 1F1B's F and B, each stage's W placed by `_place_w` (module docstring)."""
+  fwd, bwd = _one_f_one_b(num_stages, num_microbatches)
+  best = None
+  for keep in range(1, num_stages + 2):
+    cells, cost = _place_w(fwd, bwd, keep)
+    if best is None or cost < best[1]:
+      best = (cells, cost)
+  cells, cost = best
+  most = max(1, max(len(w) for row in cells for w in row))
+  wgt = np.full(fwd.shape + (most,), -1, np.int32)
+  for t, row in enumerate(cells):
+    for s, ws in enumerate(row):
+      wgt[t, s, :len(ws)] = ws
+  return ZBTable(fwd, bwd, wgt, float(cost))
