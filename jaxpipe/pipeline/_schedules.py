@@ -217,13 +217,13 @@ class ZeroBubbleH1(_OneVersion):
   """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B with the backward split.
 
   Each stage's backward runs as B (the input's gradient, which the previous
-  stage waits for) and W (the weights', which can wait): stage s runs
-  1F1B's order of F and B and W of microbatch m right after B of m + s, so
-  the W fill 1F1B's drain (`_zbh1`). A step of 3M+S-1 ticks of one F, B or
-  W per stage, a bubble of (S-1)/(3M+S-1) under F = B = W. The split
+  stage waits for) and W (the weights', which can wait), on 1F1B's
+  M+2(S-1) ticks: F and B where 1F1B runs them, W moved into ticks in which
+  the stage would idle or wait for a slower one (`_zbh1`). Under F = B = W
+  a step of 3M+2S-3 units for M >= S: ZB-H1's 3M+S-1 at S=2. The split
   recomputes nothing (`_split`); W's stash holds, per weight use, its input
-  and its output cotangent, for up to S microbatches. One weight version, a
-  flush every step: it trains exactly as `none` on the whole batch.
+  and its output cotangent, for up to S+1 microbatches. One weight version,
+  a flush every step: it trains exactly as `none` on the whole batch.
   """
 
   name = "zb1"
