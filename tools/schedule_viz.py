@@ -25,12 +25,14 @@ Time axis: a tick is as wide as it lasts under the cost model of
 `Timetable.tick_costs` (a forward 1, a backward 2, a tick with both 3), and
 one unit of the axis is a "full" tick, with both: one forward and one
 backward per stage. An interleaved tick runs one of the stage's v chunks and
-is 1/v as wide. A zb1 tick runs one of F, B (the input's gradient) and W
-(the weights') per stage, one unit of work each: a third as wide, its cell
-labelled F3, B3 or W3. With `all` the panels share that axis, on which a
+is 1/v as wide. A zb1 tick (1F1B's, with W moved) runs, per stage, at most
+one F, one B (the input's gradient) and any number of W (the weights'), one
+unit of work each, drawn one after another in that order, and is as wide as
+its busiest stage's work. With `all` the panels share that axis, on which a
 step's length is its cost: M for 2bw, M+S-1 for gpipe, 1f1b and pipedream,
-M+(S-1)/v for interleaved, M+(S-1)/3 for zb1. `all` leaves interleaved out (with a note) where
-M is not a multiple of S; `--virtual-stages` (default 2) sets its v.
+M+(S-1)/v for interleaved, M+(2S-3)/3 for zb1 (M >= S). `all` leaves
+interleaved out (with a note) where M is not a multiple of S;
+`--virtual-stages` (default 2) sets its v.
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -237,7 +239,8 @@ def _title(tt: Timetable) -> str:
            "gpipe": "M+S-1 forward-only, then M+S-1 backward-only",
            "interleaved": f"v={tt.virtual_stages} chunks per stage, each tick 1/v wide: "
                           "vS-1 forward-only, vM-vS+S full, vS-1 backward-only",
-           "zb1": "each stage one of F, B, W per tick, each tick 1/3 wide"}[tt.schedule]
+           "zb1": "1F1B's, each stage at most one F, one B and its W's per tick, "
+                  "each tick as wide as its busiest stage's"}[tt.schedule]
   text = (f"{tt.schedule}: {f.ticks} ticks per step ({ticks}), a step lasts "
           f"{f.step_cost / _FULL_TICK:g} units, steady-state bubble {f.bubble:.1%}")
   if tt.schedule == "2bw":

@@ -33,19 +33,19 @@ into its rows of the embedding's gradient.
 
 ZB-H1 (`plan.split_backward`, schedule zb1): the backward runs as B (the
 input's gradient) and W (the weights'), apart, through `SplitStage`, which
-splits the stage's pullback without recomputing anything. A tick runs at
-most one of F, B and W per stage (the plan's `fwd`, `bwd`, `wgt`), each
-under a cond on the stage's own row, in the phase order forward, head, B,
-W, sends; every tick is of one kind, so the step is one loop. B reads the
-forward's stash and writes what W needs into a second ring (`wstash`); W
-reads it and adds the weights' gradient into the accumulator. The last
-stage's F and B of a microbatch are in different ticks: the head runs with
-the F (under a cond every stage takes alike) and its cotangent waits in the
-stash (`dh`, as gpipe's). A value received from a neighbour stays in its
-buffer until the stage's F (B) of that microbatch, which ZB-H1's orders run
-before the neighbour sends the next (`StepPlan.inbox_slots`). Lockstep
-costs: a tick lasts as long as its slowest stage's item, and carries the
-code of all three behind conds.
+splits the stage's pullback without recomputing anything. A tick runs, per
+stage, at most one F, at most one B and the W's of the plan's row (`fwd`,
+`bwd`, `wgt`; 1F1B's ticks with W moved, `_zbh1`), each under a cond on the
+stage's own row, in the phase order forward, head, B, W, sends; every tick
+is of one kind, so the step is one loop. B reads the forward's stash and
+writes what W needs into a second ring (`wstash`); each W reads its entry
+and adds the weights' gradient into the accumulator. The last stage's F
+and B of a microbatch share a tick, as in 1f1b: the head runs with the F
+(under a cond every stage takes alike) and B takes its cotangent. A value
+received from a neighbour stays in its buffer until the stage's F (B) of
+that microbatch, which the plan runs before the neighbour sends the next
+(`StepPlan.inbox_slots`). Lockstep costs: a tick lasts as long as its
+busiest stage, and carries the code of F, B and W behind conds.
 
 `Engine.evaluate` runs the forward ticks alone (GPipe's; with v chunks, the
 forward halves of interleaved's ticks, around the ring v times) with the
@@ -858,8 +858,8 @@ class Engine:
     Each W reads what B kept for it (W's ring, at the slot the plan names)
     and runs the weight-gradient half of the backward alone, under a cond on
     this stage's own row: an empty entry adds nothing and computes nothing.
-    A cell may hold several W's (the drain's): a loop over the plan's J
-    entries runs one copy of W's program.
+    A cell may hold several W's (the drain's, up to J): a `lax.scan` over the
+    plan's J entries keeps one copy of W's program in the tick.
     """
     s = ctx.stage
     blocks = ctx.blocks[0]
@@ -877,9 +877,10 @@ class Engine:
       return lax.cond(self._valid(ctx, w), run, lambda: acc), None
 
     ws, slots = row["wgt"][s], row["wgt_slot"][s]
-    acc = accs[0][0]
-    for j in range(ws.shape[0]):
-      acc, _ = one(acc, (ws[j], slots[j]))
+    if ws.shape[0] == 1:
+      acc, _ = one(accs[0][0], (ws[0], slots[0]))
+    else:
+      acc, _ = lax.scan(one, accs[0][0], (ws, slots))
     return [(acc, accs[0][1])] + list(accs[1:])
 
   def _embed_grad_step(self, ctx: _Ctx, carry: TickCarry, grads_x0: list) -> TickCarry:
