@@ -206,6 +206,8 @@ def _panel(ax, tt: Timetable, versions_seen: set[int]) -> None:
           box(x + i * unit, s, unit, 1.0, mb, t // tt.ticks_per_step, kind == "F", kind, 0)
         if w - len(items) * unit > 1e-9:
           box(x + len(items) * unit, s, w - len(items) * unit, 1.0, None, None, False, "", 0)
+        if s == 0:  # a tick's items are not boxes of equal width: mark where it ends
+          ax.axvline(x + w, color="black", linewidth=0.8, linestyle=":")
       elif fwd_half and bwd_half:
         box(x, s, w, 0.5, c.fwd, c.fwd_version, True, "F", c.fwd_chunk)
         box(x, s + 0.5, w, 0.5, c.bwd, c.bwd_version, False, "B", c.bwd_chunk)
