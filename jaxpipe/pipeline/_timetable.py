@@ -75,7 +75,7 @@ from typing import Optional
 import numpy as np
 
 from jaxpipe.pipeline._names import PIPELINED, SCHEDULE_NAMES
-from jaxpipe.pipeline._zbh1 import zb_h1
+from jaxpipe.pipeline._zbh1 import one_f_one_b, zb_h1
 
 __all__ = ["StepPlan", "TickKind", "Facts", "Cell", "Timetable",
            "step_plan", "facts", "timetable", "min_microbatches", "stash_slots",
@@ -491,10 +491,7 @@ def step_plan(schedule: str, num_stages: int, num_microbatches: int,
     slot = np.arange(window) - m                        # offset from this batch's first
   elif schedule in ("1f1b", "pipedream"):
     window, history, versions = m, 0, 1
-    tick = np.arange(m + 2 * (s_ - 1))[:, None]
-    f, b = tick - stage, tick - 2 * (s_ - 1) + stage
-    fwd = np.where((f >= 0) & (f < m), f, -1)
-    bwd = np.where((b >= 0) & (b < m), b, -1)
+    fwd, bwd = one_f_one_b(s_, m)
     batch = np.zeros(window, np.int32)
     slot = np.arange(window)
   elif schedule == "interleaved":

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["ZBTable", "zb_h1"]
+__all__ = ["ZBTable", "zb_h1", "one_f_one_b"]
 
 # ZB-H1's cost model: F, B and W one unit each.
 _F, _B, _W = 1.0, 1.0, 1.0
@@ -60,24 +60,13 @@ class ZBTable(NamedTuple):
     """How many ticks the step takes."""
     return self.fwd.shape[0]
 
-  def w_slots(self) -> int:
-    """W's stash slots a stage needs: the most microbatches between B and W at once.
 
-    A tick runs B before its W's, so a microbatch whose W runs in a tick
-    still holds its slot when that tick's B writes.
-    """
-    most = 0
-    for s in range(self.fwd.shape[1]):
-      held = 0
-      for t in range(self.num_ticks):
-        held += int(self.bwd[t, s] >= 0)
-        most = max(most, held)
-        held -= int((self.wgt[t, s] >= 0).sum())
-    return most
+def one_f_one_b(num_stages: int, num_microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+  """1F1B's ticks: (fwd, bwd) int32 [M + 2(S-1), S], -1 where a stage has none.
 
-
-def _one_f_one_b(num_stages: int, num_microbatches: int) -> tuple[np.ndarray, np.ndarray]:
-  """1F1B's ticks: (fwd, bwd) int32 [M + 2(S-1), S], -1 where a stage has none."""
+  Stage s runs the forward of microbatch t - s and the backward of
+  t - 2(S-1) + s in tick t (1f1b's and pipedream's plans, and zb1's F and B).
+  """
   s_, m = num_stages, num_microbatches
   tick = np.arange(m + 2 * (s_ - 1))[:, None]
   stage = np.arange(s_)[None, :]
@@ -115,7 +104,7 @@ def _place_w(fwd: np.ndarray, bwd: np.ndarray, keep: int) -> tuple[list, float]:
 
 def zb_h1(num_stages: int, num_microbatches: int) -> ZBTable:
   """zb1's timetable: 1F1B's F and B, each stage's W placed by `_place_w` (module docstring)."""
-  fwd, bwd = _one_f_one_b(num_stages, num_microbatches)
+  fwd, bwd = one_f_one_b(num_stages, num_microbatches)
   best = None
   for keep in range(1, num_stages + 2):
     cells, cost = _place_w(fwd, bwd, keep)
