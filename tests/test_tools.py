@@ -335,7 +335,8 @@ def test_bench_two_core_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_pipeline", *args))
 
 
-@pytest.mark.parametrize("args", [("--sizes", "x"), ("--sizes", "0"), ("--calls", "1")])
+@pytest.mark.parametrize("args", [("--sizes", "x"), ("--sizes", "0"), ("--calls", "1"),
+                                  ("--warmup", "-1")])
 def test_bench_malloc_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_malloc", *args))
 
