@@ -69,6 +69,49 @@ def test_the_reference_trains():
   assert len(set(want.losses.tolist())) == STEPS
 
 
+# A flushed step's stash rings stay in its state (`FlushedState.rings`): what
+# it leaves there must never reach a later step.
+RING_CASES = [("gpipe", (2, 1, 2), "inputs", 1), ("gpipe", (4, 2, 4), "residuals", 1),
+              ("gpipe", (2, 2, 3), "residuals", 1),
+              ("zb1", (2, 1, 2), "residuals", 1), ("zb1", (4, 2, 4), "inputs", 1),
+              ("zb1", (4, 1, 6), "residuals", 1)]
+
+
+@pytest.mark.parametrize("schedule,shape,stash,v", RING_CASES,
+                         ids=[f"{c}-{_shape_id(x)}-{st}-v{v}" for c, x, st, v in RING_CASES])
+def test_a_flushed_step_reads_no_ring_slot_it_did_not_write(schedule, shape, stash, v):
+  """Rings that come in full of NaN give the very step that zeroed rings give."""
+  s, d, m = shape
+  sch = make_schedule(schedule, util.stage_fns(), util.optimizer("adamw"), make_mesh(s, d), m,
+                      stash=stash, virtual_stages=v)
+  params = jax.tree.map(jnp.asarray, util.initial_params())
+  (tok, tgt), = util.batches(m)[:1]
+  tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in (tok, tgt))
+  clean = sch.init(params, (m, util.ROWS, util.SEQ))
+  fresh = sch.init(params, (m, util.ROWS, util.SEQ))
+  # ...and which no checkpoint holds.
+  assert jax.tree.leaves(clean.rings) and not any(jax.tree.leaves(sch.saved_fields(clean).rings))
+  nan = jax.jit(lambda r: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), r),
+                out_shardings=jax.tree.map(lambda x: x.sharding, fresh.rings))
+  dirty = fresh._replace(rings=nan(fresh.rings))
+  outs = []
+  for state in (clean, dirty):
+    for _ in range(2):
+      state, metrics = sch.step(state, tok, tgt)
+    outs.append((jax.device_get(metrics), jax.device_get(state.params)))
+  assert np.isfinite(outs[0][0]["loss"])
+  for got, want in zip(jax.tree.leaves(outs[1]), jax.tree.leaves(outs[0])):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
+def test_the_other_flushed_schedules_make_their_rings_each_step(schedule, v):
+  sch = make_schedule(schedule, util.stage_fns(), util.optimizer("adamw"), make_mesh(2, 1), 4,
+                      virtual_stages=v)
+  state = jax.eval_shape(lambda p: sch.init(p, (4, util.ROWS, util.SEQ)), util.initial_params())
+  assert not sch.keeps_rings and state.rings is None
+
+
 # --- 2bw ---------------------------------------------------------------------
 
 # (optimizer, error-feedback coefficient, (S, D, M)): every optimizer with and

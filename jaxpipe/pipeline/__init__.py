@@ -18,7 +18,8 @@ from jaxpipe.pipeline._timetable import (Cell, Facts, StepPlan, TickKind, Timeta
 _LAZY = {
     "StageFns": "_engine", "Engine": "_engine",
     "expert_exchange": "_engine", "PHASE": "_engine",
-    "Schedule": "_schedules", "SyncState": "_schedules", "PipeDreamState": "_schedules",
+    "Schedule": "_schedules", "SyncState": "_schedules", "FlushedState": "_schedules",
+    "PipeDreamState": "_schedules",
     "TwoBWState": "_schedules", "InFlight": "_schedules", "Interleaved": "_schedules",
     "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",

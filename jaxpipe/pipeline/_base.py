@@ -27,7 +27,7 @@ from jaxpipe.pipeline._timetable import check_virtual_stages, min_microbatches
 
 Tree = Any
 
-__all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight",
+__all__ = ["Schedule", "SyncState", "FlushedState", "PipeDreamState", "TwoBWState", "InFlight",
            "make_mesh", "split_params", "merge_params"]
 
 
@@ -63,6 +63,30 @@ class SyncState(NamedTuple):
   opt_state: Tree
 
   KINDS = {"step": "step", "params": "params", "opt_state": "opt"}
+
+
+class FlushedState(NamedTuple):
+  """State of gpipe, 1f1b, zb1 and interleaved: `SyncState`'s fields and the stash rings.
+
+  Attributes:
+    step: updates done.
+    params: the weights.
+    opt_state: the optimizer's state.
+    rings: per device ([S, D, ...] each leaf): the stash rings a step's
+      ticks write and read, (the forward's stash, W's stash or None), for
+      the schedules that keep them (`keeps_rings`: gpipe, zb1); else None,
+      and each step makes its own. They hold nothing from one step to the
+      next (each step writes a slot before it reads it); they are state so
+      that a step neither allocates nor zero-fills them (on CPUs a step's
+      block of over 64 MiB is mapped afresh, and faulted in, at every
+      step). A checkpoint leaves them out.
+  """
+  step: jax.Array
+  params: Tree
+  opt_state: Tree
+  rings: Tree
+
+  KINDS = {"step": "step", "params": "params", "opt_state": "opt", "rings": "device"}
 
 
 class PipeDreamState(NamedTuple):

@@ -263,14 +263,15 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
 
   Returns the terms (see `MemoryTerm`, `memory_total`): the state as placed
   on one device; inside the step the float32 gradient sums, the flushed
-  schedules' stash ring, the step's embedding of stage 0's inputs and their
-  cotangents, the compute-dtype copies of the weights, the version copies;
-  one tick's working set (the head's logits, the stash entry written and
-  the one read, the backward's float32 copies and weight gradient) and the
-  update's temporaries. With v > 1 chunks per device (interleaved) a stash
-  slot, the backward's read and its weight gradient are one chunk's, the
-  ring has the engine's slot count, and a tick adds the copy of the chunk's
-  weights that it slices out of the stage's. Nothing is compiled: every
+  schedules' stash ring (held in the state by gpipe and zb1), the
+  step's embedding of stage 0's inputs and their cotangents, the
+  compute-dtype copies of the weights, the version copies; one tick's
+  working set (the head's logits, the stash entry written and the one read,
+  the backward's float32 copies and weight gradient) and the update's
+  temporaries. With v > 1 chunks per device (interleaved) a stash slot, the
+  backward's read and its weight gradient are one chunk's, the ring has the
+  engine's slot count, and a tick adds the copy of the chunk's weights that
+  it slices out of the stage's. Nothing is compiled: every
   shape comes from `jax.eval_shape`.
   """
   state = jax.eval_shape(lambda p: sched.init(p, batch_shape), params)
@@ -312,8 +313,10 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
       # weight use its input and its output cotangent (`SplitStage`).
       w_entry = SplitStage(fns.stage).w_stash_shapes(prepared, x_like)[1]
       ring += (plan.w_slots + 1) * _nbytes(w_entry)
+    # gpipe and zb1 keep their rings in the state (`FlushedState`);
+    # `_state_terms` leaves that field to this term.
     step.append(MemoryTerm("stash", "stash ring (slots x entry; zb1: and W's ring)", ring,
-                           "step"))
+                           "state" if sched.keeps_rings else "step"))
   # The step's embedding (`Engine._embed_step`): stage 0's inputs of every
   # microbatch it starts, looked up in the table's dtype, then cast; and the
   # stage-0 input cotangents that the longest loop with a backward stacks.

@@ -357,7 +357,7 @@ class Engine:
   """Runs a `StepPlan` on one stage (inside `shard_map`); see the module docstring."""
 
   def __init__(self, fns: StageFns, plan: StepPlan, *, stash: str = "inputs",
-               solo_stage: Optional[int] = None):
+               solo_stage: Optional[int] = None, rings_in_state: bool = False):
     """Args:
       fns, plan: the model's stage functions and the plan to execute. Where
         `fns.vocab_axes` marks no leaf, the shared parameters are whole on
@@ -367,6 +367,10 @@ class Engine:
       solo_stage: run stage `solo_stage`'s program alone, on a mesh whose
         'stage' axis has one device (the planner's cost of one stage's tick:
         the stage's position is a constant, sends are dropped).
+      rings_in_state: whether the stash rings come in with the step's state
+        and go out with it (`FlushedState.rings`) rather than being made
+        afresh each step; a tick without forwards then still writes them
+        (`_touch_trash`).
     """
     if stash not in STASH_MODES:
       raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
@@ -377,7 +381,7 @@ class Engine:
       raise ValueError(f"{plan.schedule}: the last stage's backwards must share a tick with "
                        "its forwards, or the plan must stash the head's cotangent")
     self.fns, self.plan, self.stash_mode = fns, plan, stash
-    self.solo_stage = solo_stage
+    self.solo_stage, self.rings_in_state = solo_stage, rings_in_state
     self.num_stages = plan.num_stages
     self.chunks = plan.virtual_stages
     self.split = vocab_split(fns.vocab_axes)
@@ -447,13 +451,31 @@ class Engine:
       entry["dh"] = jnp.zeros_like(x)
     return entry
 
-  def empty_carry(self, blocks: Tree, shared: Tree, x_like: jax.ShapeDtypeStruct) -> TickCarry:
-    """A carry with nothing in flight, typed as varying, for this stage's shapes."""
+  def empty_carry(self, blocks: Tree, shared: Tree, x_like: jax.ShapeDtypeStruct,
+                  rings: Optional[tuple] = None) -> TickCarry:
+    """A carry with nothing in flight, typed as varying, for this stage's shapes.
+
+    `rings`: (stash, wstash) to use as they are instead of zeroed ones (a
+    flushed step's rings kept from the step before; `empty_rings` makes
+    the first).
+    """
+    x = make_varying(jnp.zeros(x_like.shape, x_like.dtype))
+    f32 = lambda v: jnp.zeros(v.shape, acc_dtype(v))
+    acc = (jax.tree.map(f32, blocks), jax.tree.map(f32, shared))
+    stash, wstash = self.empty_rings(blocks, x_like) if rings is None else rings
+    if self.split_stage is not None and rings is not None:
+      # Traced here, inside the mesh, before any tick: B's plan is cached by
+      # shape and W finds it by its stash's (`SplitStage`).
+      self.split_stage.w_stash_shapes(make_varying(self.fns.prepare(blocks)), x)
+    return make_varying(TickCarry(x, x, stash, (acc,) * self.plan.num_accumulators,
+                                  jnp.zeros((self.plan.num_accumulators,), jnp.float32),
+                                  wstash))
+
+  def empty_rings(self, blocks: Tree, x_like: jax.ShapeDtypeStruct) -> tuple:
+    """(stash, wstash): the stash rings of this stage's shapes, zeroed (wstash None but for zb1)."""
     x = make_varying(jnp.zeros(x_like.shape, x_like.dtype))
     entry = self.stash_entry(make_varying(self.fns.prepare(blocks)), x)
     stash = jax.tree.map(lambda v: jnp.zeros((self.num_slots,) + v.shape, v.dtype), entry)
-    f32 = lambda v: jnp.zeros(v.shape, acc_dtype(v))
-    acc = (jax.tree.map(f32, blocks), jax.tree.map(f32, shared))
     wstash = None
     if self.split_stage is not None:
       # Traced here, inside the mesh, before any tick: B's plan is cached by
@@ -461,9 +483,7 @@ class Engine:
       _, w_entry = self.split_stage.w_stash_shapes(make_varying(self.fns.prepare(blocks)), x)
       wstash = jax.tree.map(lambda v: jnp.zeros((self.plan.w_slots + 1,) + v.shape, v.dtype),
                             w_entry)
-    return make_varying(TickCarry(x, x, stash, (acc,) * self.plan.num_accumulators,
-                                  jnp.zeros((self.plan.num_accumulators,), jnp.float32),
-                                  wstash))
+    return make_varying((stash, wstash))
 
   # --- one step ----------------------------------------------------------------
 
@@ -537,6 +557,8 @@ class Engine:
       with jax.named_scope(PHASE["forward"]):
         stash = self._stash(ctx, row, stash, entry, c.fwd_buf)
       send_f = jnp.where(f_ok, y, jnp.zeros_like(y)).astype(c.fwd_buf.dtype)
+    elif self.rings_in_state:
+      stash = self._touch_trash(stash)
     wstash = c.wstash
     if kind.bwd:
       with jax.named_scope(PHASE["backward"]):
@@ -556,6 +578,21 @@ class Engine:
       if self.split_stage is not None:
         fwd_buf, bwd_buf = self._keep_received(ctx, row, c, fwd_buf, bwd_buf)
     return TickCarry(fwd_buf, bwd_buf, stash, tuple(accs), losses, wstash), g_x0
+
+  def _touch_trash(self, stash: dict) -> dict:
+    """The stash with one element of its scratch slot zeroed (for a tick without forwards).
+
+    Where the rings come in with the state and go out with it
+    (`rings_in_state`), ticks that only read them kept XLA from updating
+    them in place: it copied each ring on the way out (the benchmark's
+    gpipe step at S=2, M=8: 81 MiB of temporaries; 32 MiB with this write,
+    76 MiB with rings made afresh each step).
+    """
+    if self.trash >= self.num_slots:
+      return stash
+    return jax.tree.map(
+        lambda r: lax.dynamic_update_slice(r, jnp.zeros((1,) * r.ndim, r.dtype),
+                                           (self.trash,) + (0,) * (r.ndim - 1)), stash)
 
   def _keep_received(self, ctx: _Ctx, row: dict, c: TickCarry, fwd_buf: jax.Array,
                      bwd_buf: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,9 +1,10 @@
 """Training schedules behind one interface: none, gpipe, 1f1b, 2bw, pipedream, interleaved, zb1.
 
 A `Schedule` owns a mesh, the model's `StageFns` and an optax optimizer. Its
-state is a typed pytree (`SyncState`, `PipeDreamState`, `TwoBWState`): the
-parameters (with their versions where several are alive), the optimizer
-state, a step counter and, for 2bw, everything in flight between steps. Each
+state is a typed pytree (`SyncState`, `FlushedState`, `PipeDreamState`,
+`TwoBWState`): the parameters (with their versions where several are alive),
+the optimizer state, a step counter, for the flushed schedules their stash
+rings and, for 2bw, everything in flight between steps. Each
 state class names the kind of each of its fields (`KINDS`), and the shardings
 `jax.jit` places them with and the specs `shard_map` splits them by are both
 derived from those kinds. `step` is one jitted function per schedule;
@@ -39,14 +40,15 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe.pipeline._base import (  # pylint: disable=unused-import
-    InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, local_block, per_device,
+    FlushedState, InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, local_block,
+    per_device,
     pick_version, make_mesh, merge_params, split_params)
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry, acc_dtype
 from jaxpipe.pipeline._names import SCHEDULE_NAMES
 from jaxpipe.pipeline._timetable import layer_order, step_plan
 
-__all__ = ["Schedule", "SyncState", "PipeDreamState", "TwoBWState", "InFlight", "Interleaved",
-           "make_schedule", "make_mesh", "split_params", "merge_params"]
+__all__ = ["Schedule", "SyncState", "FlushedState", "PipeDreamState", "TwoBWState", "InFlight",
+           "Interleaved", "make_schedule", "make_mesh", "split_params", "merge_params"]
 
 
 def _full_loss(fns: StageFns):
@@ -97,11 +99,15 @@ class NoPipeline(Schedule):
 class _Pipelined(Schedule):
   """Shared machinery of the pipelined schedules (shard_map programs)."""
 
+  # Whether the state keeps the stash rings from step to step (`FlushedState`).
+  keeps_rings = False
+
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.plan = step_plan(self.name, self.num_stages, self.num_microbatches,
                           self.virtual_stages)
-    self.engine = Engine(self.fns, self.plan, stash=self.stash)
+    self.engine = Engine(self.fns, self.plan, stash=self.stash,
+                         rings_in_state=self.keeps_rings)
 
   def _shard_map(self, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
@@ -154,46 +160,87 @@ class _Pipelined(Schedule):
     fn = self._shard_map(body, (*specs, P(None, DATA), P(None, DATA)), P())
     return fn(blocks, shared, tokens, targets)
 
-  def _flushed_grads(self, blocks, shared, tokens, targets, *, pick=None):
-    """One flushed step of the plan (gpipe, 1f1b, pipedream): mean grads and loss.
+  def _flushed_grads(self, blocks, shared, tokens, targets, *, pick=None, rings=None):
+    """One flushed step of the plan (gpipe, 1f1b, zb1, interleaved, pipedream): mean grads and loss.
 
     `blocks` and `shared` are parameter trees; with `pick`, rings with a
     leading version axis instead, and `pick(stage)` gives (the version of
     the stage's blocks, the shared versions the plan's indices choose from).
-    Without it the one version is used as it is (no copy).
+    Without it the one version is used as it is (no copy). With `rings`
+    (`FlushedState.rings`) the ticks use those stash rings and the rings
+    they leave come back as a third result; without, zeroed ones.
     """
     lead = () if pick is None else (None,)
     one = (lambda t: t) if pick is None else (lambda t: pick_version(t, 0))
     x_like = self._act_like(one(shared), tokens)
 
-    def body(blocks, shared, tokens, targets):
+    def body(blocks, shared, tokens, targets, *kept):
       if pick is None:
         blocks_v, shared_v = (blocks,), (shared,)
       else:
         b, sh = pick(lax.axis_index(STAGE))
         blocks_v, shared_v = (pick_version(blocks, b),), tuple(pick_version(shared, i) for i in sh)
-      carry = self.engine.empty_carry(blocks_v[0], shared_v[0], x_like)
+      carry = self.engine.empty_carry(blocks_v[0], shared_v[0], x_like,
+                                      local_block(kept[0]) if kept else None)
       carry = self.engine.run(blocks_v, shared_v, tokens, targets, carry)
       (g_blocks, g_shared), = carry.accs
-      return self._reduce(g_blocks, g_shared, carry.losses[0])
+      out = self._reduce(g_blocks, g_shared, carry.losses[0])
+      return (*out, per_device((carry.stash, carry.wstash))) if kept else out
 
     specs = self.param_specs(merge_params(blocks, shared), lead=lead)
     plain = self.param_specs(merge_params(one(blocks), one(shared)))
-    fn = self._shard_map(body, (*split_params(specs), P(None, DATA), P(None, DATA)),
-                         (*split_params(plain), P()))
-    g_blocks, g_shared, loss = fn(blocks, shared, tokens, targets)
-    return merge_params(g_blocks, g_shared), loss
+    batch = P(None, DATA)
+    in_specs = (*split_params(specs), batch, batch) + ((P(STAGE, DATA),) if rings else ())
+    out_specs = (*split_params(plain), P()) + ((P(STAGE, DATA),) if rings else ())
+    fn = self._shard_map(body, in_specs, out_specs)
+    g_blocks, g_shared, loss, *new_rings = fn(blocks, shared, tokens, targets,
+                                              *((rings,) if rings else ()))
+    out = (merge_params(g_blocks, g_shared), loss)
+    return (*out, new_rings[0]) if rings else out
+
+  def _empty_rings(self, params, batch_shape, token_dtype) -> Tree:
+    """`FlushedState.rings` for padded `params`: every device's stash rings, zeroed."""
+    blocks, shared = split_params(params)
+    x_like = self._act_like(shared, jax.ShapeDtypeStruct(tuple(batch_shape), token_dtype))
+
+    def empty(blocks, shared):
+      return per_device(self.engine.empty_rings(blocks, x_like))
+
+    fn = self._shard_map(empty, split_params(self.param_specs(params)), P(STAGE, DATA))
+    return fn(blocks, shared)
 
 
 class _OneVersion(_Pipelined):
-  """gpipe and 1f1b: one weight version, a flush every step."""
+  """gpipe, 1f1b, zb1 and interleaved: one weight version, a flush every step.
+
+  Where `keeps_rings`, the stash rings stay in the state (`FlushedState`)
+  from step to step; elsewhere its `rings` is None and a step makes them.
+  """
+
+  def _init_fn(self, params, *, batch_shape, token_dtype):
+    params = self._pad(params)
+    return FlushedState(jnp.zeros((), jnp.int32), params, self.opt.init(params),
+                        self._rings(params, batch_shape, token_dtype))
+
+  def _rings(self, params, batch_shape, token_dtype):
+    return self._empty_rings(params, batch_shape, token_dtype) if self.keeps_rings else None
 
   def _step_fn(self, state, tokens, targets):
-    grads, loss = self._flushed_grads(*split_params(state.params), tokens, targets)
+    if state.rings is None:
+      grads, loss = self._flushed_grads(*split_params(state.params), tokens, targets)
+      rings = None
+    else:
+      grads, loss, rings = self._flushed_grads(*split_params(state.params), tokens, targets,
+                                               rings=state.rings)
     params, opt_state, finite = self._update(state.params, state.opt_state, grads,
                                              jnp.array(True))
     metrics = self._grad_metrics(grads, loss, state.step, finite)
-    return SyncState(state.step + 1, params, opt_state), metrics
+    return FlushedState(state.step + 1, params, opt_state, rings), metrics
+
+  def saved_fields(self, state):
+    """Everything but the stash rings, which hold nothing a later step reads."""
+    keep = super().saved_fields(state)
+    return keep._replace(rings=jax.tree.map(lambda _: False, keep.rings))
 
 
 class GPipe(_OneVersion):
@@ -205,6 +252,10 @@ class GPipe(_OneVersion):
   """
 
   name = "gpipe"
+  # Its ring of M+1 slots made the step's temporaries a block a thread's
+  # malloc arena cannot hold (76 MiB on the benchmark's shape, S=2, M=8),
+  # mapped and faulted in afresh every step on CPUs; kept, 32 MiB.
+  keeps_rings = True
 
 
 class OneFOneB(_OneVersion):
@@ -227,6 +278,12 @@ class ZeroBubbleH1(_OneVersion):
   """
 
   name = "zb1"
+  # Its two rings made the step's temporaries 85 MiB on the benchmark's
+  # shape (S=2, M=8), mapped and faulted in afresh every step on CPUs; kept,
+  # 35 MiB. (1f1b's and interleaved's stay in their steps: kept, XLA copied
+  # them at the tick loops' ends, and 1f1b's step grew from 154 to 236 MB
+  # under XLA's default CPU order.)
+  keeps_rings = True
 
 
 class Interleaved(_OneVersion):
@@ -269,11 +326,11 @@ class Interleaved(_OneVersion):
     return merge_params(jax.tree.map(lambda x: jnp.take(x, index, axis=0), blocks), shared)
 
   def _init_fn(self, params, *, batch_shape, token_dtype):
-    del batch_shape, token_dtype
     params = self._pad(params)
     num_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
     params = self._take_blocks(params, self._order(num_layers, self.num_stages))
-    return SyncState(jnp.zeros((), jnp.int32), params, self.opt.init(params))
+    return FlushedState(jnp.zeros((), jnp.int32), params, self.opt.init(params),
+                        self._rings(params, batch_shape, token_dtype))
 
   def params(self, state) -> Tree:
     """The newest weights in the natural layer order and shapes."""
@@ -283,7 +340,7 @@ class Interleaved(_OneVersion):
           p, np.argsort(self._order(num_layers, self.num_stages))))
     return jax.jit(natural)(self.newest(state))
 
-  def _reorder(self, state: SyncState, index: np.ndarray) -> SyncState:
+  def _reorder(self, state: FlushedState, index: np.ndarray) -> FlushedState:
     """`state` with the stacked layer axis of the blocks, and of the optimizer
     state that follows them, taken in the order `index`."""
     num_layers = len(index)
@@ -302,7 +359,7 @@ class Interleaved(_OneVersion):
 
     opt_state = optax.tree_map_params(self.opt, take, state.opt_state, marks,
                                       transform_non_params=lambda x: x, is_leaf=masked)
-    return SyncState(state.step, self._take_blocks(state.params, index), opt_state)
+    return state._replace(params=self._take_blocks(state.params, index), opt_state=opt_state)
 
   def resume(self, restored, fresh, *, guarded=False, saved_stages=None):
     """Fits the vocabulary padding and, from another stage count, the layer order.
