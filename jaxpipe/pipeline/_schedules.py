@@ -281,8 +281,9 @@ class ZeroBubbleH1(_OneVersion):
   # Its two rings made the step's temporaries 85 MiB on the benchmark's
   # shape (S=2, M=8), mapped and faulted in afresh every step on CPUs; kept,
   # 35 MiB. (1f1b's and interleaved's stay in their steps: kept, XLA copied
-  # them at the tick loops' ends, and 1f1b's step grew from 154 to 236 MB
-  # under XLA's default CPU order.)
+  # 1f1b's at the tick loops' ends, its step growing from 154 to 236 MB
+  # under XLA's default CPU order; interleaved's step, under 64 MiB of
+  # temporaries either way, was no faster.)
   keeps_rings = True
 
 
