@@ -260,8 +260,8 @@ def xla_default_order_flags() -> list[str]:
 # arena's heap (64 MiB at most) once it is empty: either way the next step
 # gets fresh pages and takes a page fault on each 4 KiB of them (15,000 per
 # step for the benchmark's one-device step, 30,000 for its 1f1b step; 2bw,
-# whose stash is state, took none; the flushed schedules' rings are state too
-# now, `FlushedState`). So: no mmap of its own (M_MMAP_MAX 0),
+# whose stash is state, took none, as gpipe and zb1 now do, `FlushedState`).
+# So: no mmap of its own (M_MMAP_MAX 0),
 # no trimming below 1 GiB free at the top of the heap (M_TRIM_THRESHOLD), a
 # top pad of 64 MiB (M_TOP_PAD), and, where it pays, one arena for every
 # thread (M_ARENA_MAX 1). The last is what keeps a block larger than a thread

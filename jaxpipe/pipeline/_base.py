@@ -73,7 +73,7 @@ class FlushedState(NamedTuple):
     params: the weights.
     opt_state: the optimizer's state.
     rings: per device ([S, D, ...] each leaf): the stash rings a step's
-      ticks write and read, (the forward's stash, W's stash or None), for
+      ticks write and read (the forward's stash, and W's stash or None), for
       the schedules that keep them (`keeps_rings`: gpipe, zb1); else None,
       and each step makes its own. They hold nothing from one step to the
       next (each step writes a slot before it reads it); they are state so

@@ -41,8 +41,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe.pipeline._base import (  # pylint: disable=unused-import
     FlushedState, InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, local_block,
-    per_device,
-    pick_version, make_mesh, merge_params, split_params)
+    per_device, pick_version, make_mesh, merge_params, split_params)
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry, acc_dtype
 from jaxpipe.pipeline._names import SCHEDULE_NAMES
 from jaxpipe.pipeline._timetable import layer_order, step_plan
