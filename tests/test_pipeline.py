@@ -109,7 +109,8 @@ def test_the_other_flushed_schedules_make_their_rings_each_step(schedule, v):
   sch = make_schedule(schedule, util.stage_fns(), util.optimizer("adamw"), make_mesh(2, 1), 4,
                       virtual_stages=v)
   state = jax.eval_shape(lambda p: sch.init(p, (4, util.ROWS, util.SEQ)), util.initial_params())
-  assert not sch.keeps_rings and state.rings is None
+  # A SyncState, as their checkpoints hold it.
+  assert not sch.keeps_rings and type(state).__name__ == "SyncState"
 
 
 # --- 2bw ---------------------------------------------------------------------

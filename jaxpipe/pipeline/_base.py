@@ -51,7 +51,7 @@ def merge_params(blocks: Tree, shared: Tree) -> Tree:
 
 
 class SyncState(NamedTuple):
-  """State of none, gpipe and 1f1b.
+  """State of none, 1f1b and interleaved.
 
   Attributes:
     step: updates done.
@@ -66,20 +66,19 @@ class SyncState(NamedTuple):
 
 
 class FlushedState(NamedTuple):
-  """State of gpipe, 1f1b, zb1 and interleaved: `SyncState`'s fields and the stash rings.
+  """State of gpipe and zb1: `SyncState`'s fields and the stash rings.
 
   Attributes:
     step: updates done.
     params: the weights.
     opt_state: the optimizer's state.
     rings: per device ([S, D, ...] each leaf): the stash rings a step's
-      ticks write and read (the forward's stash, and W's stash or None), for
-      the schedules that keep them (`keeps_rings`: gpipe, zb1); else None,
-      and each step makes its own. They hold nothing from one step to the
-      next (each step writes a slot before it reads it); they are state so
-      that a step neither allocates nor zero-fills them (on CPUs a step's
-      block of over 64 MiB is mapped afresh, and faulted in, at every
-      step). A checkpoint leaves them out.
+      ticks write and read (the forward's stash, and W's stash or None).
+      They hold nothing from one step to the next (each step writes a slot
+      before it reads it); they are state so that a step neither allocates
+      nor zero-fills them (on CPUs a step's block of over 64 MiB is mapped
+      afresh, and faulted in, at every step). A checkpoint leaves them out.
+      1f1b and interleaved make theirs in each step (`keeps_rings`).
   """
   step: jax.Array
   params: Tree

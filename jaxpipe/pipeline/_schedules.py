@@ -3,8 +3,8 @@
 A `Schedule` owns a mesh, the model's `StageFns` and an optax optimizer. Its
 state is a typed pytree (`SyncState`, `FlushedState`, `PipeDreamState`,
 `TwoBWState`): the parameters (with their versions where several are alive),
-the optimizer state, a step counter, for the flushed schedules their stash
-rings and, for 2bw, everything in flight between steps. Each
+the optimizer state, a step counter, for gpipe and zb1 their stash rings
+and, for 2bw, everything in flight between steps. Each
 state class names the kind of each of its fields (`KINDS`), and the shardings
 `jax.jit` places them with and the specs `shard_map` splits them by are both
 derived from those kinds. `step` is one jitted function per schedule;
@@ -213,32 +213,39 @@ class _OneVersion(_Pipelined):
   """gpipe, 1f1b, zb1 and interleaved: one weight version, a flush every step.
 
   Where `keeps_rings`, the stash rings stay in the state (`FlushedState`)
-  from step to step; elsewhere its `rings` is None and a step makes them.
+  from step to step; elsewhere the state is a `SyncState` (the layout of
+  their checkpoints before) and a step makes its rings.
   """
 
   def _init_fn(self, params, *, batch_shape, token_dtype):
     params = self._pad(params)
-    return FlushedState(jnp.zeros((), jnp.int32), params, self.opt.init(params),
-                        self._rings(params, batch_shape, token_dtype))
+    return self._state(jnp.zeros((), jnp.int32), params, self.opt.init(params),
+                       batch_shape, token_dtype)
 
-  def _rings(self, params, batch_shape, token_dtype):
-    return self._empty_rings(params, batch_shape, token_dtype) if self.keeps_rings else None
+  def _state(self, step, params, opt_state, batch_shape, token_dtype):
+    if not self.keeps_rings:
+      return SyncState(step, params, opt_state)
+    return FlushedState(step, params, opt_state,
+                        self._empty_rings(params, batch_shape, token_dtype))
 
   def _step_fn(self, state, tokens, targets):
-    if state.rings is None:
+    if not self.keeps_rings:
       grads, loss = self._flushed_grads(*split_params(state.params), tokens, targets)
-      rings = None
     else:
       grads, loss, rings = self._flushed_grads(*split_params(state.params), tokens, targets,
                                                rings=state.rings)
     params, opt_state, finite = self._update(state.params, state.opt_state, grads,
                                              jnp.array(True))
     metrics = self._grad_metrics(grads, loss, state.step, finite)
-    return FlushedState(state.step + 1, params, opt_state, rings), metrics
+    new = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return (new._replace(rings=rings) if self.keeps_rings else new), metrics
 
   def saved_fields(self, state):
-    """Everything but the stash rings, which hold nothing a later step reads."""
+    """Everything but the stash rings (where the state has them): they hold
+    nothing a later step reads."""
     keep = super().saved_fields(state)
+    if not self.keeps_rings:
+      return keep
     return keep._replace(rings=jax.tree.map(lambda _: False, keep.rings))
 
 
@@ -329,8 +336,8 @@ class Interleaved(_OneVersion):
     params = self._pad(params)
     num_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
     params = self._take_blocks(params, self._order(num_layers, self.num_stages))
-    return FlushedState(jnp.zeros((), jnp.int32), params, self.opt.init(params),
-                        self._rings(params, batch_shape, token_dtype))
+    return self._state(jnp.zeros((), jnp.int32), params, self.opt.init(params), batch_shape,
+                       token_dtype)
 
   def params(self, state) -> Tree:
     """The newest weights in the natural layer order and shapes."""
@@ -340,7 +347,7 @@ class Interleaved(_OneVersion):
           p, np.argsort(self._order(num_layers, self.num_stages))))
     return jax.jit(natural)(self.newest(state))
 
-  def _reorder(self, state: FlushedState, index: np.ndarray) -> FlushedState:
+  def _reorder(self, state: SyncState, index: np.ndarray) -> SyncState:
     """`state` with the stacked layer axis of the blocks, and of the optimizer
     state that follows them, taken in the order `index`."""
     num_layers = len(index)
