@@ -98,7 +98,8 @@ def memalign_walk(calls: int) -> list[int]:
   """
   import ctypes  # pylint: disable=g-import-not-at-top
   libc = ctypes.CDLL(None)
-  # By hand, through ctypes: no package binds posix_memalign or mallopt.
+  # By hand, through ctypes: no package binds posix_memalign or mallopt, and
+  # `tune_cpu_malloc` sets nothing where GLIBC_TUNABLES is set (the cache-off run).
   libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   from jaxpipe import accel  # pylint: disable=g-import-not-at-top
   for param, value in {**accel.CPU_MALLOC, **accel.ONE_ARENA}.values():

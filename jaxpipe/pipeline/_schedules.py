@@ -189,13 +189,11 @@ class _Pipelined(Schedule):
     specs = self.param_specs(merge_params(blocks, shared), lead=lead)
     plain = self.param_specs(merge_params(one(blocks), one(shared)))
     batch = P(None, DATA)
-    in_specs = (*split_params(specs), batch, batch) + ((P(STAGE, DATA),) if rings else ())
-    out_specs = (*split_params(plain), P()) + ((P(STAGE, DATA),) if rings else ())
-    fn = self._shard_map(body, in_specs, out_specs)
-    g_blocks, g_shared, loss, *new_rings = fn(blocks, shared, tokens, targets,
-                                              *((rings,) if rings else ()))
-    out = (merge_params(g_blocks, g_shared), loss)
-    return (*out, new_rings[0]) if rings else out
+    kept = () if rings is None else (rings,)
+    fn = self._shard_map(body, (*split_params(specs), batch, batch) + (P(STAGE, DATA),) * len(kept),
+                         (*split_params(plain), P()) + (P(STAGE, DATA),) * len(kept))
+    g_blocks, g_shared, loss, *new_rings = fn(blocks, shared, tokens, targets, *kept)
+    return (merge_params(g_blocks, g_shared), loss, *new_rings)
 
   def _empty_rings(self, params, batch_shape, token_dtype) -> Tree:
     """`FlushedState.rings` for padded `params`: every device's stash rings, zeroed."""
