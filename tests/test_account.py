@@ -131,18 +131,17 @@ def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
     return met
 
   jax.block_until_ready(step())
-  done = account.profile_steps(step, jax.block_until_ready, 4, str(tmp_path))
+  n = 16
+  done = account.profile_steps(step, jax.block_until_ready, n, str(tmp_path))
   result = account.account(account.read_trace(str(tmp_path)), compiled.as_text(), done)
-  assert len(result["steps"]) == 3
+  assert len(result["steps"]) == n - 1
   for s in result["steps"]:
     assert sorted(s["devices"]) == [0, 1]
+    assert s["interval_us"] > 0 and s["measured_us"] > 0
     for parts in s["devices"].values():
       assert sum(parts.values()) == pytest.approx(s["interval_us"], rel=1e-9)
       assert parts["forward"] > 0 and parts["backward"] > 0 and parts["head"] > 0
       assert parts.get("send collective", 0) + parts.get("send wait", 0) > 0
-    # The trace's clock and the host's: the same interval, within the host's
-    # scheduling noise on a busy machine.
-    assert s["interval_us"] == pytest.approx(s["measured_us"], rel=0.5)
   med = np.median([s["interval_us"] for s in result["steps"]])
   assert med > 0
   summary = account.summarise(result)
@@ -150,4 +149,8 @@ def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
     assert sum(parts.values()) == pytest.approx(summary["interval_us"], rel=1e-9)
   assert summary["measured_us"] == pytest.approx(
       (done[-1] - done[0]) * 1e6 / len(result["steps"]), rel=1e-9)
+  # The trace's clock and the host's agree over the run. One step's pair does not:
+  # a ~6 ms step's host interval moves by the host's wake-up delay at either end
+  # (a CI run saw 10.8 ms traced against 6.4 ms measured for one step on a busy
+  # machine), but over the run those delays cancel except at its two ends.
   assert summary["interval_us"] == pytest.approx(summary["measured_us"], rel=0.5)
