@@ -596,6 +596,44 @@ def test_2bw_embeds_once_per_step_and_the_last_stage_head_needs_no_tick_collecti
   assert util.collectives(last.hlo, "collective-permute")
 
 
+@pytest.mark.parametrize("d,tied,vocab_parallel", [(1, False, True), (2, True, True),
+                                                    (1, False, False)])
+def test_a_2bw_step_moves_no_weights(d, tied, vocab_parallel):
+  """v[k] becomes `prev` where it lies and v[k+1] is written over v[k-1].
+
+  Every output of the step lives in a donated input's buffer, and no weight
+  of either version is copied. With the state's own order (`cur` after
+  `prev`) JAX gave the output `prev` the input `prev`'s buffers, so XLA
+  copied both versions every step, and the new `cur` embedding, whose input
+  `prev` twin the step never reads, took a fresh buffer.
+  """
+  s, m = 2, 4
+  cfg = util.config(tie_embeddings=tied)
+  sch = make_schedule("2bw", util.stage_fns(cfg), util.optimizer("adamw"), make_mesh(s, d), m,
+                      stash="residuals", vocab_parallel=vocab_parallel)
+  state = sch.init(jax.tree.map(jnp.asarray, util.initial_params(cfg)), (m, util.ROWS, util.SEQ))
+  tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in util.batches(m)[0])
+  compiled = sch.lower_step(state, tok, tgt).compile()
+  # What is not aliased is the metrics (and the output's tuple), less than
+  # one device's share of the embedding: no weight took a fresh buffer.
+  mem = compiled.memory_analysis()
+  embedding = sch.newest(state)["embed"]["embedding"]
+  share = embedding.nbytes // (s if vocab_parallel else 1)
+  assert mem.output_size_in_bytes - mem.alias_size_in_bytes < share
+  hlo = compiled.as_text()
+  # The weights' entry parameters, by the names JAX gives them: the state's
+  # fields `prev` and `cur`, however the step takes them.
+  weights = {name for name, _ in re.findall(
+      r"(%[\w.]+) = [^\n]*? parameter\(\d+\)[^\n]*?op_name=\"(fields\[[12]\]|state\.(?:prev|cur))",
+      hlo)}
+  assert len(weights) == 2 * len(jax.tree.leaves(sch.newest(state)))
+  copied = [n for n in re.findall(r"\bcopy\((%[\w.]+)\)", hlo) if n in weights]
+  assert not copied, copied
+  # And the step still runs on the state as `step` takes it.
+  state, met = compiled(state, tok, tgt)
+  assert int(met["loss_step"]) == -1 and bool(met["ran"])
+
+
 def test_stage_weight_gathers_are_detected():
   """The check above fires on a program that replicates the stage-sharded blocks.
 

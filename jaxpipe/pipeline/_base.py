@@ -27,8 +27,8 @@ from jaxpipe.pipeline._timetable import check_virtual_stages, min_microbatches
 
 Tree = Any
 
-__all__ = ["Schedule", "SyncState", "FlushedState", "PipeDreamState", "TwoBWState", "InFlight",
-           "make_mesh", "split_params", "merge_params"]
+__all__ = ["Schedule", "StepProgram", "SyncState", "FlushedState", "PipeDreamState", "TwoBWState",
+           "InFlight", "make_mesh", "split_params", "merge_params"]
 
 
 def split_params(params: Tree) -> tuple[Tree, Tree]:
@@ -124,6 +124,30 @@ class InFlight(NamedTuple):
 
   KINDS = {"fwd_buf": "device", "bwd_buf": "device", "stash": "device", "acc": "device",
            "loss": "device", "tokens": "batch", "targets": "batch"}
+
+
+class StepProgram:
+  """A lowered or compiled step (`Schedule.lower_step`) that takes the state as `step` does.
+
+  The jitted step may take the state's fields in another order
+  (`Schedule.donation_order`); calling this with a state, tokens and targets
+  (and `go` for the guarded step) passes them as the program wants them.
+  Everything else (`compile`, `as_text`, `memory_analysis`, ...) is the
+  wrapped JAX object's, `compile` returning a `StepProgram` again.
+  """
+
+  def __init__(self, inner: Any, args: Any):
+    self._inner, self._args = inner, args
+
+  def compile(self, *a, **k) -> "StepProgram":
+    """The compiled step (`jax.stages.Lowered.compile`), wrapped likewise."""
+    return StepProgram(self._inner.compile(*a, **k), self._args)
+
+  def __call__(self, state, *rest):
+    return self._inner(self._args(state), *rest)
+
+  def __getattr__(self, name):
+    return getattr(self._inner, name)
 
 
 class TwoBWState(NamedTuple):
@@ -509,15 +533,44 @@ class Schedule:
     new_state, metrics = self._step_fn(state, tokens, targets)
     return new_state, {**metrics, "ran": jnp.asarray(True)}
 
+  # The order in which the jitted step takes the state's fields, where it is
+  # not the state's own (None). JAX pairs each output with the first donated
+  # input of its shape and sharding, in the order of the inputs, and XLA
+  # copies wherever a step's result is not the value that its paired buffer
+  # held. 2bw returns its input `cur` as the output `prev`: taking `cur`
+  # before `prev` gives `prev` the buffer it already lives in and the new
+  # `cur` the old `prev`'s, so a step moves no weights.
+  donation_order: Optional[tuple[str, ...]] = None
+
   def _jitted_step(self, state, guarded: bool):
+    """(the jitted step, state -> its first argument) for the guarded or the plain step."""
     if self._jit_step is None:
       self._jit_step = {}
     if guarded not in self._jit_step:
       shardings = self.state_shardings(state)
       # Metrics replicated everywhere, so every process can read them.
       fn = self._guarded_step if guarded else self._plain_step
-      self._jit_step[guarded] = jax.jit(fn, donate_argnums=(0,),
-                                        out_shardings=(shardings, self.replicated()))
+      order = self.donation_order
+      if order is None:
+        self._jit_step[guarded] = (jax.jit(fn, donate_argnums=(0,),
+                                           out_shardings=(shardings, self.replicated())),
+                                   lambda st: st)
+      else:
+        kind = type(state)
+        if sorted(order) != sorted(kind._fields):
+          raise ValueError(f"{type(self).__name__}.donation_order {order} does not name the "
+                           f"fields of {kind.__name__} {kind._fields}")
+
+        def reordered(fields, *rest):
+          return fn(kind(**dict(zip(order, fields))), *rest)
+
+        # keep_unused: a field the step does not read (2bw's `prev` embedding:
+        # it embeds once per step, at `cur`) must still be an argument, or its
+        # output would take the next field's buffer of that shape and XLA
+        # would copy again.
+        self._jit_step[guarded] = (jax.jit(reordered, donate_argnums=(0,), keep_unused=True,
+                                           out_shardings=(shardings, self.replicated())),
+                                   lambda st: tuple(getattr(st, n) for n in order))
     return self._jit_step[guarded]
 
   def step(self, state, tokens: jax.Array, targets: jax.Array, go: Optional[jax.Array] = None):
@@ -530,15 +583,17 @@ class Schedule:
     is); without `go` there is none. Dispatch returns at once; reading the
     metrics waits for the step.
     """
-    if go is None:
-      return self._jitted_step(state, False)(state, tokens, targets)
-    return self._jitted_step(state, True)(state, tokens, targets, go)
+    fn, args = self._jitted_step(state, go is not None)
+    return fn(args(state), tokens, targets, *(() if go is None else (go,)))
 
   def lower_step(self, state, tokens, targets, go: Optional[jax.Array] = None):
-    """The lowered (not yet compiled) step, for HLO inspection and compile timing."""
-    if go is None:
-      return self._jitted_step(state, False).lower(state, tokens, targets)
-    return self._jitted_step(state, True).lower(state, tokens, targets, go)
+    """The lowered (not yet compiled) step, for HLO inspection and compile timing.
+
+    A `StepProgram`: its `compile()` can be called as `step` is, with the state.
+    """
+    fn, args = self._jitted_step(state, go is not None)
+    return StepProgram(fn.lower(args(state), tokens, targets, *(() if go is None else (go,))),
+                       args)
 
   def _evaluate(self, params, tokens, targets):
     """Mean loss of a batch at `params` (the state's layout), jitted once."""

@@ -338,8 +338,7 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
     # Inside the step the stage's own version and the shared ones, picked
     # from the ring; beside it the newest version, picked for the update.
     copies += _nbytes(device["blocks"]) + 2 * _nbytes(shared_local) + _nbytes(device)
-  if sched.name == "2bw":         # v[k]'s blocks become `prev` as v[k+1] is written
-    copies += _nbytes(device["blocks"])
+  # 2bw copies none: v[k] becomes `prev` where it lies (`Schedule.donation_order`).
   step.append(MemoryTerm("copies", "weight copies (compute dtype, versions)", copies, "step"))
 
   # The tick's weight gradient: as the backward makes it (in the compute

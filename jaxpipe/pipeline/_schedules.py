@@ -454,6 +454,7 @@ class TwoBW(_Pipelined):
 
   name = "2bw"
   loss_lag = 1
+  donation_order = ("step", "cur", "prev", "opt_state", "inflight")
 
   def _init_fn(self, params, *, batch_shape, token_dtype):
     """Two copies of v[0], an empty pipeline, zero batches in the batch slots."""
