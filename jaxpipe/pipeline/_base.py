@@ -147,6 +147,8 @@ class StepProgram:
     return self._inner(self._args(state), *rest)
 
   def __getattr__(self, name):
+    if name.startswith("_"):  # not yet set (a copy, an unpickling): no recursion
+      raise AttributeError(name)
     return getattr(self._inner, name)
 
 
