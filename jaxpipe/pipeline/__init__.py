@@ -19,6 +19,7 @@ _LAZY = {
     "StageFns": "_engine", "Engine": "_engine",
     "expert_exchange": "_engine", "PHASE": "_engine",
     "Schedule": "_schedules", "SyncState": "_schedules", "FlushedState": "_schedules",
+    "StepProgram": "_base",
     "PipeDreamState": "_schedules",
     "TwoBWState": "_schedules", "InFlight": "_schedules", "Interleaved": "_schedules",
     "make_mesh": "_schedules",

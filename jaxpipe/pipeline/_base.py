@@ -144,6 +144,7 @@ class StepProgram:
     return StepProgram(self._inner.compile(*a, **k), self._args)
 
   def __call__(self, state, *rest):
+    """Runs the compiled step on `state` (and tokens, targets, `go`): (state, metrics)."""
     return self._inner(self._args(state), *rest)
 
   def __getattr__(self, name):
