@@ -555,25 +555,25 @@ class Schedule:
       fn = self._guarded_step if guarded else self._plain_step
       order = self.donation_order
       if order is None:
-        self._jit_step[guarded] = (jax.jit(fn, donate_argnums=(0,),
-                                           out_shardings=(shardings, self.replicated())),
-                                   lambda st: st)
+        jitted, args, keep_unused = fn, (lambda st: st), False
       else:
         kind = type(state)
         if sorted(order) != sorted(kind._fields):
           raise ValueError(f"{type(self).__name__}.donation_order {order} does not name the "
                            f"fields of {kind.__name__} {kind._fields}")
 
-        def reordered(fields, *rest):
+        def jitted(fields, *rest):
           return fn(kind(**dict(zip(order, fields))), *rest)
 
+        args = lambda st: tuple(getattr(st, n) for n in order)
         # keep_unused: a field the step does not read (2bw's `prev` embedding:
         # it embeds once per step, at `cur`) must still be an argument, or its
         # output would take the next field's buffer of that shape and XLA
         # would copy again.
-        self._jit_step[guarded] = (jax.jit(reordered, donate_argnums=(0,), keep_unused=True,
-                                           out_shardings=(shardings, self.replicated())),
-                                   lambda st: tuple(getattr(st, n) for n in order))
+        keep_unused = True
+      self._jit_step[guarded] = (jax.jit(jitted, donate_argnums=(0,), keep_unused=keep_unused,
+                                         out_shardings=(shardings, self.replicated())),
+                                 args)
     return self._jit_step[guarded]
 
   def step(self, state, tokens: jax.Array, targets: jax.Array, go: Optional[jax.Array] = None):

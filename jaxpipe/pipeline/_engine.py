@@ -462,11 +462,11 @@ class Engine:
     x = make_varying(jnp.zeros(x_like.shape, x_like.dtype))
     f32 = lambda v: jnp.zeros(v.shape, acc_dtype(v))
     acc = (jax.tree.map(f32, blocks), jax.tree.map(f32, shared))
-    stash, wstash = self.empty_rings(blocks, x_like) if rings is None else rings
-    if self.split_stage is not None and rings is not None:
-      # Traced here, inside the mesh, before any tick: B's plan is cached by
-      # shape and W finds it by its stash's (`SplitStage`).
-      self.split_stage.w_stash_shapes(make_varying(self.fns.prepare(blocks)), x)
+    if rings is None:
+      stash, wstash = self.empty_rings(blocks, x_like)
+    else:
+      stash, wstash = rings
+      self._w_entry(blocks, x)  # for its trace (which `empty_rings` makes otherwise)
     return make_varying(TickCarry(x, x, stash, (acc,) * self.plan.num_accumulators,
                                   jnp.zeros((self.plan.num_accumulators,), jnp.float32),
                                   wstash))
@@ -476,14 +476,20 @@ class Engine:
     x = make_varying(jnp.zeros(x_like.shape, x_like.dtype))
     entry = self.stash_entry(make_varying(self.fns.prepare(blocks)), x)
     stash = jax.tree.map(lambda v: jnp.zeros((self.num_slots,) + v.shape, v.dtype), entry)
-    wstash = None
-    if self.split_stage is not None:
-      # Traced here, inside the mesh, before any tick: B's plan is cached by
-      # shape and W finds it by its stash's (`SplitStage`).
-      _, w_entry = self.split_stage.w_stash_shapes(make_varying(self.fns.prepare(blocks)), x)
-      wstash = jax.tree.map(lambda v: jnp.zeros((self.plan.w_slots + 1,) + v.shape, v.dtype),
-                            w_entry)
+    w_entry = self._w_entry(blocks, x)
+    wstash = None if w_entry is None else jax.tree.map(
+        lambda v: jnp.zeros((self.plan.w_slots + 1,) + v.shape, v.dtype), w_entry)
     return make_varying((stash, wstash))
+
+  def _w_entry(self, blocks: Tree, x: jax.Array) -> Optional[Tree]:
+    """zb1's W stash entry for this stage's shapes; None without a split backward.
+
+    Traced inside the mesh, before any tick: B's plan is cached by shape
+    there, and W finds it by its stash's (`SplitStage`).
+    """
+    if self.split_stage is None:
+      return None
+    return self.split_stage.w_stash_shapes(make_varying(self.fns.prepare(blocks)), x)[1]
 
   # --- one step ----------------------------------------------------------------
 
