@@ -16,8 +16,13 @@ microsecond of each device in a step falls in exactly one of:
   collective-permute, all-to-all, reduce-scatter) moving data, and
   `<phase> wait`: the part of it spent waiting for the other devices to
   arrive (XLA's rendezvous);
-- `idle`: inside the step, no operation of this device running (the
-  runtime between operations, a thread not scheduled);
+- `idle`: inside the step, no operation of this device in flight (the
+  runtime between operations, a thread not scheduled). An operation is in
+  flight from its event's start until the runtime marks it complete, which
+  for a dot is later than its event's end: XLA's CPU runtime splits every
+  dot over the process's intra-op thread pool and runs the rest untraced
+  (`_completed`); the account credits that time to the dot's phase, also
+  where the rest waited for a pool thread busy with another device;
 - `host gap`: between the end of the previous step on every device and the
   first operation of this one (the host preparing and dispatching it).
 
@@ -104,6 +109,50 @@ def _waits(events: list[dict[str, Any]]) -> dict[Any, list[tuple[float, float]]]
   return out
 
 
+def _completed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The events, each operation's lasting until the runtime marked it complete.
+
+  XLA's CPU runtime may complete an operation after its event ends: a dot
+  (`DotThunk`) splits its matmul into tasks on the process's intra-op
+  thread pool, whatever `--xla_cpu_multi_thread_eigen` says, and its event
+  covers only the launch and the part the launching thread ran; the rest
+  runs, untraced, on a pool thread, and the runtime records `end: <op>` when
+  the last part is done. A device runs one instance of an operation at a
+  time (a loop's next iteration waits for its body), so a mark belongs to
+  the latest start of that operation on some device; of those, it is paired
+  with the earliest on the mark's thread (where it nearly always lands),
+  else on any thread. An operation whose mark comes after its event's end
+  is extended to the mark (copies; the input is not changed).
+  """
+  # {(operation, thread) or operation: {device: index of its latest unpaired start}}
+  latest: dict[Any, dict[str, int]] = collections.defaultdict(dict)
+  ends: dict[int, float] = {}
+  for i in sorted(range(len(events)), key=lambda i: events[i]["ts"]):
+    e = events[i]
+    name, args = e.get("name", ""), e.get("args") or {}
+    if "hlo_op" in args:
+      device = args.get("device_ordinal")
+      latest[(name, e["tid"])][device] = i
+      latest[name][device] = i
+    elif name.startswith("end: "):
+      op = name[5:]
+      found = latest.get((op, e["tid"])) or latest.get(op)
+      if not found:
+        continue
+      device, j = min(found.items(), key=lambda kv: events[kv[1]]["ts"])
+      ends[j] = e["ts"]
+      for key in ((op, events[j]["tid"]), op):
+        if latest[key].get(device) == j:
+          del latest[key][device]
+  out = []
+  for i, e in enumerate(events):
+    end = ends.get(i)
+    if end is not None and end > e["ts"] + e["dur"]:
+      e = dict(e, dur=end - e["ts"])
+    out.append(e)
+  return out
+
+
 def _overlap(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
   total = 0.0
   for a, b in intervals:
@@ -166,6 +215,7 @@ def account(events: list[dict[str, Any]], hlo_text: str,
   """
   info = hlo_ops(hlo_text)
   waits = _waits(events)
+  events = _completed(events)
   runs: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
   for e in events:
     args = e.get("args") or {}

@@ -84,6 +84,46 @@ def test_account_adds_up_and_splits_collectives_into_moving_and_waiting():
   assert account.parts_in_order(dev0)[-2:] == ["idle", "host gap"]
 
 
+DOT_HLO = """
+HloModule jit_step
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %dot.7 = f32[4,4]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/pipe_backward/dot_general"}
+  ROOT %fusion.8 = f32[4,4]{1,0} fusion(%dot.7), kind=kLoop, calls=%fc, metadata={op_name="jit(step)/pipe_backward/add"}
+}
+"""
+
+
+def _end(ts, name, tid):
+  return {"ph": "X", "ts": ts, "dur": 0.1, "name": f"end: {name}", "tid": tid, "args": {}}
+
+
+def test_an_operation_lasts_until_the_runtime_marks_it_complete():
+  """XLA's CPU dots finish on the intra-op pool after their event ends; the
+  `end:` mark the runtime records then is the dot's end, not idle time."""
+  events = [_op(0, 10, "fusion.8", 0, "a", 10), _op(0, 10, "fusion.8", 1, "a", 20)]
+  events += [
+      # Device 0: the dot's event covers 100-120, the pool finishes it at 150.
+      _op(100, 20, "dot.7", 0, "b", 10), _end(150, "dot.7", 10),
+      _op(160, 40, "fusion.8", 0, "b", 10), _end(199, "fusion.8", 10),
+      # Device 1: its dot's mark lands on another thread (no start there).
+      _op(100, 30, "dot.7", 1, "b", 20), _end(170, "dot.7", 30),
+      _op(180, 20, "fusion.8", 1, "b", 20), _end(199, "fusion.8", 20),
+  ]
+  [step] = account.account(events, DOT_HLO)["steps"]
+  dev0, dev1 = step["devices"][0], step["devices"][1]
+  # 100-150 the dot, 150-160 idle, 160-200 the fusion; a mark before its
+  # event's end (the fusion's, at 199) shortens nothing.
+  assert dev0 == {"backward": 90, "idle": 10, "host gap": 90}
+  assert dev1 == {"backward": 90, "idle": 10, "host gap": 90}
+  # Without the marks the untraced rest of each dot would read as idle.
+  plain = [e for e in events if not e["name"].startswith("end: ")]
+  [before] = account.account(plain, DOT_HLO)["steps"]
+  assert before["devices"][0]["idle"] == 40 and before["devices"][1]["idle"] == 50
+  # The input events are left as they were.
+  assert events[2]["dur"] == 20
+
+
 def test_the_summary_is_the_mean_step_so_its_parts_add_up():
   """Medians taken part by part come from different steps and need not add up;
   the summary averages each part over the steps, which adds up to the mean

@@ -295,6 +295,26 @@ def test_bench_two_core_times_pinned_processes():
       2 * sorted(a / b for a, b in zip(hw["ref"], hw["times"]))[1])
 
 
+def test_two_core_rows_give_each_set_of_processes_its_median():
+  """Rounds split among sets of processes: each row pools them and gives each set's median."""
+  two_core = _load("bench_two_core")
+  names = ["none", "ceiling", "2bw", "hardware"]
+  times = {"none": [1.0] * 6, "ceiling": [1.0] * 6, "hardware": [1.0] * 6,
+           "2bw": [0.5, 0.5, 0.5, 0.6, 0.6, 0.6]}
+  faults = {n: [0] * 6 for n in names[:3]}
+  rows = {r["schedule"]: r for r in two_core._rows(257, names, times, faults, 8, "1/1/1", [3, 3])}
+  assert rows["2bw"]["per_instance"] == pytest.approx([2.0, 1 / 0.6])
+  # The pooled median is over all six rounds.
+  assert rows["2bw"]["speedup"] == pytest.approx((2.0 + 1 / 0.6) / 2)
+  assert rows["ceiling"]["per_instance"] == pytest.approx([2.0, 2.0])
+  table = two_core.two_core_table(list(rows.values()))
+  assert "median of each set of processes" in table
+  assert re.search(r"^\| 257 \| 2bw \| .*\| 2\.00x / 1\.67x \|", table, re.M), table
+  one = two_core._rows(257, names, times, faults, 8, "1/1/1", [6])
+  assert all(r["per_instance"] == [] for r in one)
+  assert "each set" not in two_core.two_core_table(one)
+
+
 def test_two_core_workers_take_the_extra_xla_flags():
   """`--xla-flags` reaches every pinned worker's XLA_FLAGS and wins over the defaults."""
   two_core = _load("bench_two_core")
@@ -330,6 +350,8 @@ def test_two_core_workers_take_the_extra_xla_flags():
     ("--two-core", "--compare-env", "1BAD=x"),
     ("--two-core", "--compare-env", "NOVALUE"),
     ("--two-core", "--back-to-back", "0"),
+    ("--two-core", "--instances", "0"),
+    ("--two-core", "--pairs", "8", "--instances", "3"),   # fewer than 3 rounds a set
 ])
 def test_bench_two_core_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_pipeline", *args))

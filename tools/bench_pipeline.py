@@ -37,7 +37,9 @@ on two cores, the no-collective ceiling (two devices of one process, each
 running the reference's step on its own data, nothing exchanged), and each
 schedule of --processes as two jax.distributed processes, a stage and a core
 each; --pairs rounds of one step of each, the speed-up of a round being the
-reference's step time over the configuration's. It prints the median
+reference's step time over the configuration's, split among --instances sets
+of processes started one after the other (a process keeps its own offset of
+a few percent for its life). It prints the median
 speed-up, its quartiles and extremes, the bubble bound 2(1 - bubble), the
 share of the ceiling and the targets, for each vocabulary of --vocab
 (default bytes and GPT-2's); with --account N, also where N traced steps of
@@ -246,6 +248,11 @@ def _check(args, shape: ModelShape) -> None:
       raise ValueError(f"--layers={shape.layers} is not divisible by the 2 stages of --two-core")
     if args.pairs < 3:
       raise ValueError(f"--pairs must be >= 3 for a median and a spread, got {args.pairs}")
+    if args.instances is None:
+      args.instances = 2 if args.pairs >= 6 else 1
+    if not 1 <= args.instances <= args.pairs // 3:
+      raise ValueError(f"--instances must be between 1 and --pairs/3 (3 rounds a set at "
+                       f"least), got {args.instances} for --pairs {args.pairs}")
     if args.back_to_back < 1:
       raise ValueError(f"--back-to-back must be >= 1, got {args.back_to_back}")
     if min(args.vocab) < 257:
@@ -329,6 +336,11 @@ def _parser() -> Parser:
                       help="two-core: vocabularies to measure (default 257,50257)")
   parser.add_argument("--pairs", type=int, default=20,
                       help="two-core: timed rounds, one step of every process each (default 20)")
+  parser.add_argument("--instances", type=int, default=None,
+                      help="two-core: sets of processes the rounds are split among, started "
+                           "one after the other (default 2, or 1 below 6 rounds: a process's "
+                           "step time keeps its own offset of a few percent for its life, so "
+                           "one set is one draw)")
   parser.add_argument("--back-to-back", type=int, default=1,
                       help="two-core: steps each process runs in a row per turn, the last timed "
                       "(default 1: every step follows the other processes' steps)")

@@ -22,6 +22,7 @@ def two_core_table(rows: list[dict[str, Any]]) -> str:
             "ceiling": "ceiling (2 devices of one process, no collective)",
             "hardware": "hardware (2 one-device processes at once)"}
   lines = []
+  sets = any(r.get("per_instance") for r in rows)
   for r in rows:
     if r["target"] is None:
       target = "-"
@@ -34,13 +35,17 @@ def two_core_table(rows: list[dict[str, Any]]) -> str:
     lines.append(
         f"| {r['vocab']} | {name} | {r['ref_s']:.3f} | "
         f"{r['step_s']:.3f} | {r['speedup']:.2f}x | {r['q1']:.2f}-{r['q3']:.2f} | "
-        f"{r['low']:.2f}-{r['high']:.2f} | {r['bound']:.2f}x | {_share(r)} | "
+        f"{r['low']:.2f}-{r['high']:.2f} | "
+        + (" / ".join(f"{x:.2f}x" for x in r.get("per_instance") or []) + " | " if sets else "")
+        + f"{r['bound']:.2f}x | {_share(r)} | "
         f"{target} | {_faults(r.get('faults'))} | "
         f"{r['load_before'].split('/')[0]}-{r['load_after'].split('/')[0]} |")
   return _table(["vocabulary", "schedule", "one device s/step", "two cores s/step",
-                 "speed-up (median)", "quartiles", "min-max", "bubble bound",
-                 "share of the ceiling", "target", "page faults per step", "load (1 min)"],
-                "llrrrrrrrlrl", lines)
+                 "speed-up (median)", "quartiles", "min-max"]
+                + (["median of each set of processes"] if sets else [])
+                + ["bubble bound", "share of the ceiling", "target", "page faults per step",
+                   "load (1 min)"],
+                "llrrrrr" + ("r" if sets else "") + "rrlrl", lines)
 
 
 def _faults(n: Optional[float]) -> str:

@@ -252,12 +252,42 @@ def _processes(label: str, base: dict[str, Any], schedule: str, cores: tuple[str
   return _Group(label, members)
 
 
+def _start_set(base: dict[str, Any], schedules: Sequence[str], processes: Sequence[str],
+               cores: tuple[str, str], both: str, compare_flags: str,
+               compare_env: Optional[Mapping[str, str]], xla_flags: str
+               ) -> tuple[list[Any], "_Pinned"]:
+  """Starts one set of the configurations' processes (not yet ready) and the reference's twin."""
+  workers: list[Any] = [
+      _Pinned("none", dict(base, schedule="none", stages=1, data=1), cores[0]),
+      _Pinned("ceiling", dict(base, schedule="ceiling", stages=1, data=2), both)]
+  workers += [_Pinned(n, dict(base, schedule=n, stages=2, data=1), both) for n in schedules]
+  other = base
+  if compare_flags or compare_env:
+    from jaxpipe import accel  # pylint: disable=g-import-not-at-top
+    other = dict(base, xla_flags=accel.merge_xla_flags(compare_flags, xla_flags.split()))
+    workers += [
+        _Pinned(f"none{COMPARED}", dict(other, schedule="none", stages=1, data=1), cores[0],
+                compare_env),
+        _Pinned(f"ceiling{COMPARED}", dict(other, schedule="ceiling", stages=1, data=2), both,
+                compare_env)]
+    workers += [_Pinned(f"{n}{COMPARED}", dict(other, schedule=n, stages=2, data=1), both,
+                        compare_env) for n in schedules]
+  workers += [_processes(f"{n} x2", base, n, cores) for n in processes]
+  if compare_flags or compare_env:
+    workers += [_processes(f"{n} x2{COMPARED}", other, n, cores, compare_env)
+                for n in processes]
+  # A second reference on the other core: stepped together with the first,
+  # it shows what the two cores give two processes that share nothing.
+  twin = _Pinned("twin", dict(base, schedule="none", stages=1, data=1), cores[1])
+  return workers, twin
+
+
 def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *, pairs: int,
              warmup: int, cores: tuple[str, str], schedules: Sequence[str] = LABELS[1:],
              processes: Sequence[str] = ("2bw", "1f1b"), account_steps: int = 0,
              settle_s: float = 90.0, xla_flags: str = "", compare_flags: str = "",
              compare_env: Optional[Mapping[str, str]] = None, back_to_back: int = 1,
-             log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             instances: int = 1, log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """Speed-up of S=2 pipelines on two cores over one device on one core, and their accounts.
 
   For each vocabulary it starts, each in its own process: the one-device
@@ -285,78 +315,80 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   of an 'x2' row) took per timed step. With `back_to_back` > 1 each turn
   runs that many steps in a row and times the last: its caches are then
   warm from its own steps, not from the other processes'.
+
+  With `instances` > 1 the rounds are split among that many sets of
+  processes, started one set after the other (each set compiled afresh,
+  warmed and settled as above): one process's step time stays off by a few
+  percent for its whole life (the same configuration measured 0.155-0.176 s
+  in ten processes on a quiet machine), so the medians of one set carry
+  that process's luck. Each row pools all rounds and also gives each set's
+  median speed-up (`per_instance`); with `account_steps` the last set is
+  traced.
   """
   rows, accounts = [], {}
   both = ",".join(cores)
+  # Rounds of each set: `pairs` split as evenly as the sets allow.
+  shares = [pairs // instances + (k < pairs % instances) for k in range(instances)]
   for vocab in vocabs:
     sh = dataclasses.replace(shape, vocab=vocab)
     base = {"shape": dataclasses.asdict(sh), "microbatches": num_microbatches,
             "xla_flags": xla_flags}
-    workers: list[Any] = [
-        _Pinned("none", dict(base, schedule="none", stages=1, data=1), cores[0]),
-        _Pinned("ceiling", dict(base, schedule="ceiling", stages=1, data=2), both)]
-    workers += [_Pinned(n, dict(base, schedule=n, stages=2, data=1), both) for n in schedules]
-    if compare_flags or compare_env:
-      from jaxpipe import accel  # pylint: disable=g-import-not-at-top
-      other = dict(base, xla_flags=accel.merge_xla_flags(compare_flags, xla_flags.split()))
-      workers += [
-          _Pinned(f"none{COMPARED}", dict(other, schedule="none", stages=1, data=1), cores[0],
-                  compare_env),
-          _Pinned(f"ceiling{COMPARED}", dict(other, schedule="ceiling", stages=1, data=2), both,
-                  compare_env)]
-      workers += [_Pinned(f"{n}{COMPARED}", dict(other, schedule=n, stages=2, data=1), both,
-                          compare_env) for n in schedules]
-    workers += [_processes(f"{n} x2", base, n, cores) for n in processes]
-    if compare_flags or compare_env:
-      workers += [_processes(f"{n} x2{COMPARED}", other, n, cores, compare_env)
-                  for n in processes]
-    # A second reference on the other core: stepped together with the first,
-    # it shows what the two cores give two processes that share nothing.
-    twin = _Pinned("twin", dict(base, schedule="none", stages=1, data=1), cores[1])
-    try:
-      for w in workers + [twin]:
-        w.ready()
-      # The compilations just before raise the 1-minute load average; let it
-      # decay so that the load recorded is the timing's own.
-      deadline = time.time() + settle_s
-      while os.getloadavg()[0] > 2.5 and time.time() < deadline:
-        time.sleep(5)
-      timing_load = load()
-      log(f"  vocab {vocab}: {len(workers)} configurations compiled; timing {pairs} rounds "
-          f"(load {timing_load})")
-      times: dict[str, list[float]] = {w.label: [] for w in workers}
-      faults: dict[str, list[int]] = {w.label: [] for w in workers}
-      times["hardware"] = []
-      for i in range(warmup + pairs):
-        order = workers[i % len(workers):] + workers[:i % len(workers)]
-        for w in order:
-          t = w.step(back_to_back)
-          if i >= warmup:
-            times[w.label].append(t)
-            faults[w.label].append(w.faults)
-        together = _Group("hardware", [workers[0], twin]).step(back_to_back)
-        if i >= warmup:
-          times["hardware"].append(together)
-      if account_steps:
-        log(f"  vocab {vocab}: tracing {account_steps} steps of each configuration")
-        accounts[vocab] = {}
+    times: dict[str, list[float]] = {}
+    faults: dict[str, list[int]] = {}
+    labels: list[str] = []
+    timing_load = ""
+    for k, rounds in enumerate(shares):
+      workers, twin = _start_set(base, schedules, processes, cores, both, compare_flags,
+                                 compare_env, xla_flags)
+      labels = [w.label for w in workers]
+      try:
+        for w in workers + [twin]:
+          w.ready()
+        # The compilations just before raise the 1-minute load average; let it
+        # decay so that the load recorded is the timing's own.
+        deadline = time.time() + settle_s
+        while os.getloadavg()[0] > 2.5 and time.time() < deadline:
+          time.sleep(5)
+        timing_load = timing_load or load()
+        log(f"  vocab {vocab}: {len(workers)} configurations compiled"
+            + (f" (set {k + 1} of {instances})" if instances > 1 else "")
+            + f"; timing {rounds} rounds (load {load()})")
         for w in workers:
-          accounts[vocab].update(w.account(account_steps))
-    finally:
-      for w in workers + [twin]:
-        w.close()
-    rows += _rows(vocab, [w.label for w in workers] + ["hardware"], times, faults,
-                  num_microbatches, timing_load)
+          times.setdefault(w.label, [])
+          faults.setdefault(w.label, [])
+        times.setdefault("hardware", [])
+        for i in range(warmup + rounds):
+          order = workers[i % len(workers):] + workers[:i % len(workers)]
+          for w in order:
+            t = w.step(back_to_back)
+            if i >= warmup:
+              times[w.label].append(t)
+              faults[w.label].append(w.faults)
+          together = _Group("hardware", [workers[0], twin]).step(back_to_back)
+          if i >= warmup:
+            times["hardware"].append(together)
+        if account_steps and k == instances - 1:
+          log(f"  vocab {vocab}: tracing {account_steps} steps of each configuration")
+          accounts[vocab] = {}
+          for w in workers:
+            accounts[vocab].update(w.account(account_steps))
+      finally:
+        for w in workers + [twin]:
+          w.close()
+    rows += _rows(vocab, labels + ["hardware"], times, faults, num_microbatches, timing_load,
+                  shares)
   return rows, accounts
 
 
 def _rows(vocab: int, names: Sequence[str], times: Mapping[str, list[float]],
           faults: Mapping[str, list[int]], num_microbatches: int,
-          timing_load: str) -> list[dict[str, Any]]:
+          timing_load: str, shares: Sequence[int] = ()) -> list[dict[str, Any]]:
   """One row per configuration of one vocabulary: its speed-up over the reference and spread.
 
   A `[B]` row is against the reference run with B, and 'none [B]' against
-  the plain reference; each `[B]` row's target is None.
+  the plain reference; each `[B]` row's target is None. `shares` are the
+  rounds of each set of processes, in order (`two_core`'s `instances`):
+  each row's `per_instance` is the median speed-up of each set's rounds.
   """
   from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   rows: list[dict[str, Any]] = []
@@ -365,7 +397,8 @@ def _rows(vocab: int, names: Sequence[str], times: Mapping[str, list[float]],
     # A [B] row against the reference run with B; 'none [B]' against the plain one.
     suffix = COMPARED if name.endswith(COMPARED) else ""
     ref = times["none" + suffix if name != f"none{COMPARED}" else "none"]
-    ratio = sorted(a / b for a, b in zip(ref, times[name]))
+    rounds = [a / b for a, b in zip(ref, times[name])]
+    ratio = sorted(rounds)
     plain = name.removesuffix(COMPARED).removesuffix(" x2")
     bub = 0.0
     if plain not in ("none", "ceiling", "hardware"):
@@ -375,6 +408,10 @@ def _rows(vocab: int, names: Sequence[str], times: Mapping[str, list[float]],
     # ratio is a parallel efficiency; 2x that is what two devices gave.
     scale = 2.0 if plain in ("ceiling", "hardware") else 1.0
     speedup = scale * statistics.median(ratio)
+    per_instance, at = [], 0
+    for n in shares if len(shares) > 1 else ():
+      per_instance.append(scale * statistics.median(rounds[at:at + n]))
+      at += n
     if plain == "ceiling":
       ceilings[suffix] = speedup
     ceiling = ceilings.get(suffix)
@@ -388,7 +425,7 @@ def _rows(vocab: int, names: Sequence[str], times: Mapping[str, list[float]],
         "bound": 1.0 if plain == "none" else 2.0 * (1.0 - bub),
         "ceiling": ceiling,
         "target": None if name.endswith(COMPARED) else target(name, vocab, ceiling, bub),
-        "times": times[name], "ref": ref,
+        "per_instance": per_instance, "times": times[name], "ref": ref,
         "load_before": timing_load, "load_after": load()})
   return rows
 
@@ -411,7 +448,10 @@ def run(args, shape: ModelShape) -> int:
             "adamw; float32",
             f"one device pinned to core {args.cores.split(',')[0]}; 2 stages (or the ceiling's "
             f"2 devices) pinned to cores {args.cores}; one XLA thread per device; "
-            f"{args.pairs} timed rounds after {args.warmup} warm-up"
+            f"{args.pairs} timed rounds"
+            + (f" in {args.instances} sets of processes started one after the other, "
+               f"{args.warmup} warm-up each" if args.instances > 1
+               else f" after {args.warmup} warm-up")
             + (f", each turn {args.back_to_back} steps in a row, the last timed"
                if args.back_to_back > 1 else "")
             + f"; jax {jax.__version__}; "
@@ -431,7 +471,7 @@ def run(args, shape: ModelShape) -> int:
                               xla_flags=args.xla_flags,
                               compare_flags=args.compare_xla_flags,
                               compare_env=dict(v.split("=", 1) for v in args.compare_env.split()),
-                              back_to_back=args.back_to_back, log=log)
+                              back_to_back=args.back_to_back, instances=args.instances, log=log)
   except RuntimeError as e:
     print(f"bench_pipeline: {e}", file=sys.stderr)
     return 1
