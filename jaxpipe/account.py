@@ -131,9 +131,13 @@ def _completed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     e = events[i]
     name, args = e.get("name", ""), e.get("args") or {}
     if "hlo_op" in args:
-      device = args.get("device_ordinal")
-      latest[(name, e["tid"])][device] = i
-      latest[name][device] = i
+      op, device = args["hlo_op"], args.get("device_ordinal")
+      # This start supersedes the device's earlier one, wherever it ran.
+      before = latest[op].get(device)
+      if before is not None and latest[(op, events[before]["tid"])].get(device) == before:
+        del latest[(op, events[before]["tid"])][device]
+      latest[(op, e["tid"])][device] = i
+      latest[op][device] = i
     elif name.startswith("end: "):
       op = name[5:]
       found = latest.get((op, e["tid"])) or latest.get(op)
