@@ -122,7 +122,9 @@ def _completed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
   the latest start of that operation on some device; of those, it is paired
   with the earliest on the mark's thread (where it nearly always lands),
   else on any thread. An operation whose mark comes after its event's end
-  is extended to the mark (copies; the input is not changed).
+  is extended to the mark, but never past the last event's end of its own
+  step (`run_id`), so that a start whose mark the trace lost cannot stretch
+  into a later step (copies; the input is not changed).
   """
   # {(operation, thread) or operation: {device: index of its latest unpaired start}}
   latest: dict[Any, dict[str, int]] = collections.defaultdict(dict)
@@ -132,7 +134,8 @@ def _completed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     name, args = e.get("name", ""), e.get("args") or {}
     if "hlo_op" in args:
       op, device = args["hlo_op"], args.get("device_ordinal")
-      # This start supersedes the device's earlier one, wherever it ran.
+      # The device has finished its earlier instance (a loop's next
+      # iteration waits for its body), so only this start can take a mark.
       before = latest[op].get(device)
       if before is not None and latest[(op, events[before]["tid"])].get(device) == before:
         del latest[(op, events[before]["tid"])][device]
@@ -148,9 +151,17 @@ def _completed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
       for key in ((op, events[j]["tid"]), op):
         if latest[key].get(device) == j:
           del latest[key][device]
+  step_end: dict[Any, float] = collections.defaultdict(float)
+  for e in events:
+    run = (e.get("args") or {}).get("run_id")
+    if run is not None:
+      step_end[run] = max(step_end[run], e["ts"] + e["dur"])
   out = []
   for i, e in enumerate(events):
     end = ends.get(i)
+    run = (e.get("args") or {}).get("run_id")
+    if end is not None and run is not None:
+      end = min(end, step_end[run])
     if end is not None and end > e["ts"] + e["dur"]:
       e = dict(e, dur=end - e["ts"])
     out.append(e)

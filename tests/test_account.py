@@ -124,6 +124,33 @@ def test_an_operation_lasts_until_the_runtime_marks_it_complete():
   assert events[2]["dur"] == 20
 
 
+def test_a_lost_mark_does_not_stretch_an_operation_into_a_later_step():
+  """A start whose `end:` mark the trace lost is superseded by its device's
+  next start of that operation, and no operation outlasts its own step."""
+  events = [
+      # Step a: device 0's dot has no mark; device 1's dot ends at its mark.
+      _op(0, 10, "dot.7", 0, "a", 10), _op(0, 10, "dot.7", 1, "a", 20), _end(15, "dot.7", 20),
+      _op(20, 10, "fusion.8", 0, "a", 10), _op(20, 10, "fusion.8", 1, "a", 20),
+      # Step b: device 0 launches its dot on another thread; device 1's
+      # mark lands on thread 10, where device 0's markless dot of step a
+      # started, and must go to device 1's dot of step b.
+      _op(100, 20, "dot.7", 0, "b", 40), _end(150, "dot.7", 40),
+      _op(95, 25, "dot.7", 1, "b", 20), _end(140, "dot.7", 10),
+      _op(160, 40, "fusion.8", 0, "b", 10), _op(160, 40, "fusion.8", 1, "b", 20),
+      # A mark far past the step (a stale pairing would stretch into step c).
+      _op(210, 5, "fusion.8", 0, "c", 10), _op(210, 5, "fusion.8", 1, "c", 20),
+      _end(400, "fusion.8", 10),
+  ]
+  steps = account.account(events, DOT_HLO)["steps"]
+  b, c = steps
+  assert b["host_gap_us"] == 65 and b["span_us"] == 105
+  assert b["devices"][0] == {"backward": 90, "idle": 15, "host gap": 65}
+  assert b["devices"][1] == {"backward": 85, "idle": 20, "host gap": 65}
+  # Step c's fusion keeps its event's length: its mark is past its step's end.
+  assert c["host_gap_us"] == 10 and c["span_us"] == 5
+  assert c["devices"][0] == {"backward": 5, "idle": 0, "host gap": 10}
+
+
 def test_the_summary_is_the_mean_step_so_its_parts_add_up():
   """Medians taken part by part come from different steps and need not add up;
   the summary averages each part over the steps, which adds up to the mean

@@ -352,6 +352,7 @@ def test_two_core_workers_take_the_extra_xla_flags():
     ("--two-core", "--back-to-back", "0"),
     ("--two-core", "--instances", "0"),
     ("--two-core", "--pairs", "8", "--instances", "3"),   # fewer than 3 rounds a set
+    ("--instances", "2",),                                # without --two-core
 ])
 def test_bench_two_core_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_pipeline", *args))

@@ -281,6 +281,8 @@ def _check(args, shape: ModelShape) -> None:
       raise ValueError(f"--account must be 0 (off) or >= 2 steps (the first traced step has "
                        f"no predecessor to measure its gap from), got {args.account}")
     return
+  if args.instances is not None:
+    raise ValueError("--instances splits the rounds of --two-core; add --two-core or drop it")
   if args.repeats < 1 or args.warmup < 1:
     raise ValueError("--repeats and --warmup must be >= 1 (the first run of a program "
                      "pays for allocations)")
@@ -352,7 +354,8 @@ def _parser() -> Parser:
                            "a stage each ('' for none; default 2bw,1f1b)")
   parser.add_argument("--account", type=int, default=0,
                       help="two-core: afterwards trace this many steps of each configuration "
-                           "and account for their time by phase (default 0: off)")
+                           "and account for their time by phase (the last set of processes; "
+                           "default 0: off)")
   parser.add_argument("--cores", default="0,1",
                       help="two-core: the two CPU cores to pin to (default 0,1)")
   parser.add_argument("--xla-flags", default="",

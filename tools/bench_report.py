@@ -17,7 +17,11 @@ def _table(columns: Sequence[str], align: str, lines: Sequence[str]) -> str:
 
 
 def two_core_table(rows: list[dict[str, Any]]) -> str:
-  """Markdown: speed-up of each schedule on two cores over one device on one core."""
+  """Markdown: speed-up of each schedule on two cores over one device on one core.
+
+  Where the rows carry several sets of processes (`per_instance`), a column
+  gives each set's median beside the pooled one.
+  """
   labels = {"none": "none (the reference: one device on one core)",
             "ceiling": "ceiling (2 devices of one process, no collective)",
             "hardware": "hardware (2 one-device processes at once)"}

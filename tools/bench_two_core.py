@@ -325,9 +325,11 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   median speed-up (`per_instance`); with `account_steps` the last set is
   traced.
   """
+  if not 1 <= instances <= pairs:
+    raise ValueError(f"instances must be between 1 and pairs ({pairs}), got {instances}")
   rows, accounts = [], {}
   both = ",".join(cores)
-  # Rounds of each set: `pairs` split as evenly as the sets allow.
+  # Every set gets a share of the rounds, so each set's median is over rounds.
   shares = [pairs // instances + (k < pairs % instances) for k in range(instances)]
   for vocab in vocabs:
     sh = dataclasses.replace(shape, vocab=vocab)
@@ -438,6 +440,7 @@ def run(args, shape: ModelShape) -> int:
   """
   import jax  # pylint: disable=g-import-not-at-top
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  args.instances = args.instances or 1
   started, load_before = time.time(), load()
   m = args.microbatches
   header = [f"machine: {machine(emulated=False)}",
