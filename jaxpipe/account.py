@@ -129,9 +129,12 @@ def _completed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
   # {(operation, thread) or operation: {device: index of its latest unpaired start}}
   latest: dict[Any, dict[str, int]] = collections.defaultdict(dict)
   ends: dict[int, float] = {}
+  step_end: dict[Any, float] = collections.defaultdict(float)
   for i in sorted(range(len(events)), key=lambda i: events[i]["ts"]):
     e = events[i]
     name, args = e.get("name", ""), e.get("args") or {}
+    if "run_id" in args:
+      step_end[args["run_id"]] = max(step_end[args["run_id"]], e["ts"] + e["dur"])
     if "hlo_op" in args:
       op, device = args["hlo_op"], args.get("device_ordinal")
       # The device has finished its earlier instance (a loop's next
@@ -151,20 +154,14 @@ def _completed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
       for key in ((op, events[j]["tid"]), op):
         if latest[key].get(device) == j:
           del latest[key][device]
-  step_end: dict[Any, float] = collections.defaultdict(float)
-  for e in events:
+  out = list(events)
+  for i, end in ends.items():
+    e = events[i]
     run = (e.get("args") or {}).get("run_id")
     if run is not None:
-      step_end[run] = max(step_end[run], e["ts"] + e["dur"])
-  out = []
-  for i, e in enumerate(events):
-    end = ends.get(i)
-    run = (e.get("args") or {}).get("run_id")
-    if end is not None and run is not None:
       end = min(end, step_end[run])
-    if end is not None and end > e["ts"] + e["dur"]:
-      e = dict(e, dur=end - e["ts"])
-    out.append(e)
+    if end > e["ts"] + e["dur"]:
+      out[i] = dict(e, dur=end - e["ts"])
   return out
 
 

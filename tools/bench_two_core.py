@@ -440,7 +440,6 @@ def run(args, shape: ModelShape) -> int:
   """
   import jax  # pylint: disable=g-import-not-at-top
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
-  args.instances = args.instances or 1
   started, load_before = time.time(), load()
   m = args.microbatches
   header = [f"machine: {machine(emulated=False)}",
