@@ -32,6 +32,7 @@ starts its backend, which is when XLA reads XLA_FLAGS.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.metadata
 import json
@@ -337,15 +338,62 @@ def thread_ids() -> set[int]:
     return set()
 
 
-def start_backend() -> tuple[list[Any], set[int]]:
+def start_backend(*, split_ops: bool = True) -> tuple[list[Any], set[int]]:
   """Starts JAX's backend: (`jax.devices()`, the ids of the threads that appeared meanwhile).
 
-  Where the backend had started before, no thread appears.
+  Where the backend had started before, no thread appears. `split_ops=False`
+  (CPU devices, each with a core of its own) makes the programs compiled
+  from then on inside `compiling()` split no operation over the threads.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  global _COMPILE_CORES
   before = thread_ids()
   devices = jax.devices()
+  if not split_ops and hasattr(os, "sched_getaffinity"):
+    _COMPILE_CORES = frozenset(os.sched_getaffinity(0))
   return devices, thread_ids() - before
+
+
+# The cores of the process while XLA compiles for one thread per operation
+# (`start_backend(split_ops=False)`); None: XLA compiles as it will.
+_COMPILE_CORES: Optional[frozenset] = None
+
+
+@contextlib.contextmanager
+def compiling():
+  """Where the backend was started with split_ops=False: XLA compiles in here
+  without splitting any operation over the threads.
+
+  XLA's CPU compiler splits a loop operation over as many threads as the
+  cores its compiling thread may use (`outer_dimension_partitions` in the
+  compiled HLO; the build option that would say so is not reachable from
+  JAX), and the runtime hands the other part to its thread pool. Where every
+  core already runs a device of the process, that part waits for a thread
+  busy with another device's work, and the devices of a pipeline wait for
+  each other (docs/benchmark.md, "Operations split over the threads").
+  The compilation runs on one of XLA's own threads, so while inside, every
+  thread of the process may use one core only; after, every thread gets the
+  process's cores back (a program already running is moved back at once).
+  Elsewhere this does nothing. JAX's persistent compilation cache does not
+  key on this: a program it holds is loaded as it was compiled.
+  """
+  cores = _COMPILE_CORES
+  if cores is None:
+    yield
+    return
+  _pin_threads({min(cores)})
+  try:
+    yield
+  finally:
+    _pin_threads(set(cores))
+
+
+def _pin_threads(cores: set[int]) -> None:
+  for tid in thread_ids():
+    try:
+      os.sched_setaffinity(tid, cores)
+    except OSError:  # a thread that ended meanwhile
+      pass
 
 
 def _in_epoll(tid: int) -> bool:

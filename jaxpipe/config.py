@@ -45,6 +45,7 @@ Head = Literal["auto", "vocab_parallel", "last_stage"]
 OptimizerName = Literal["adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap"]
 LrSchedule = Literal["constant", "cosine", "wsd"]
 NanPolicy = Literal["skip", "stop"]
+CpuSplitOps = Literal["auto", "always", "never"]
 CpuArenas = Literal["auto", "one", "per_thread"]
 AdanForm = Literal["paper", "optax"]
 NsCoeffs = Literal["jordan", "polar_express"]
@@ -56,6 +57,7 @@ OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 LR_SCHEDULES: tuple[str, ...] = typing.get_args(LrSchedule)
 NAN_POLICIES: tuple[str, ...] = typing.get_args(NanPolicy)
 CPU_ARENAS: tuple[str, ...] = typing.get_args(CpuArenas)
+CPU_SPLIT_OPS: tuple[str, ...] = typing.get_args(CpuSplitOps)
 ADAN_FORMS: tuple[str, ...] = typing.get_args(AdanForm)
 NS_PRESETS: tuple[str, ...] = typing.get_args(NsCoeffs)
 
@@ -81,6 +83,10 @@ class RunConfig:
   # gpipe's stash) but the devices' threads of a process share its lock;
   # "auto" is "one" for a process of one device, "per_thread" otherwise.
   cpu_malloc_arenas: CpuArenas = "auto"
+  # Runs on CPUs: whether XLA may split one operation over the process's
+  # threads (jaxpipe.accel.start_backend). "auto" is "never" where every core the
+  # process may use serves a device of it (a stage per core), "always" otherwise.
+  cpu_split_ops: CpuSplitOps = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,6 +543,8 @@ def _validate_run_and_data(cfg: Config) -> None:
   _check(r.cpu_malloc_arenas in CPU_ARENAS,
          f"run.cpu_malloc_arenas must be one of {', '.join(CPU_ARENAS)}, "
          f"got '{r.cpu_malloc_arenas}'")
+  _check(r.cpu_split_ops in CPU_SPLIT_OPS,
+         f"run.cpu_split_ops must be one of {', '.join(CPU_SPLIT_OPS)}, got '{r.cpu_split_ops}'")
   _check(bool(r.dir), "run.dir must not be empty")
   _check(d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}")
   _check(d.seq_len >= 2, f"data.seq_len must be >= 2, got {d.seq_len}")

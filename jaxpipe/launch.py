@@ -118,6 +118,27 @@ def one_malloc_arena(choice: str, local_devices: int) -> bool:
   return choice == "one" or (choice == "auto" and local_devices == 1)
 
 
+def usable_cores() -> Optional[int]:
+  """The cores this process may run on (its CPU affinity), or None where that is unknown."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def split_cpu_ops(choice: str, local_devices: int, cores: Optional[int]) -> bool:
+  """Whether XLA's CPU runtime may split one operation over the process's threads.
+
+  `choice` is a value of `run.cpu_split_ops`. `auto`: only where the process
+  may use more cores than it has devices (one device on a many-core host
+  gains from it); where every core runs a device, a split operation waits
+  for a thread busy with another device (`jaxpipe.accel.start_backend`).
+  """
+  if choice not in config_lib.CPU_SPLIT_OPS:
+    raise ValueError(f"run.cpu_split_ops must be one of {', '.join(config_lib.CPU_SPLIT_OPS)}, "
+                     f"got {choice!r}")
+  if choice != "auto":
+    return choice == "always"
+  return cores is None or cores > local_devices
+
+
 def start(cfg: Config) -> None:
   """Initialises `jax.distributed` for multi-process runs, starts the backend, checks the devices.
 
@@ -150,7 +171,11 @@ def start(cfg: Config) -> None:
       # SLURM: everything else from the job's environment.
       jax.distributed.initialize(local_device_ids=ids, **timeouts)
     watch_peers(cfg)
-  devices, new_threads = accel.start_backend()  # gloo's I/O thread starts here
+  # On CPUs, each device of the process is one of its threads: whether an
+  # operation may also split over the threads (`split_cpu_ops`).
+  split = accel.gpu_expected() or split_cpu_ops(cfg.run.cpu_split_ops,
+                                                 local_devices_needed(cfg), usable_cores())
+  devices, new_threads = accel.start_backend(split_ops=split)  # gloo's I/O thread starts here
   if num > 1 and cfg.dist.idle_io_thread and devices[0].platform == "cpu":
     idle_io_thread(new_threads, len(jax.local_devices()), pid)
   check_devices(cfg, devices)
@@ -167,7 +192,7 @@ def idle_io_thread(new_threads: set[int], local_devices: int, pid: int) -> list[
   set idle-class. On a core that another process keeps busy an idle-class
   thread waits for it; `dist.idle_io_thread=false` turns this off.
   """
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+  cores = usable_cores()
   if cores is None or cores > local_devices:
     return []
   found = accel.epoll_threads(new_threads)

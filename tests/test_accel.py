@@ -4,6 +4,7 @@ device memory records and the compilation cache."""
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -260,6 +261,84 @@ def test_launcher_idles_the_io_thread_only_where_every_core_serves_a_device(monk
   assert "(0 of the backend's new threads" in err
 
 
+def test_split_cpu_ops_by_choice_devices_and_cores():
+  # auto: split only where a core is left over beyond the process's devices.
+  cases = ((1, 2), (2, 2), (4, 2), (1, 1), (2, 16))   # (devices, cores)
+  assert [launch.split_cpu_ops("auto", d, c) for d, c in cases] == [True, False, False, False, True]
+  assert launch.split_cpu_ops("auto", 2, None)  # cores unknown: XLA's own choice
+  assert launch.split_cpu_ops("always", 2, 2) and not launch.split_cpu_ops("never", 1, 16)
+  with pytest.raises(ValueError, match="run.cpu_split_ops must be one of auto, always, never"):
+    launch.split_cpu_ops("no", 2, 2)
+
+
+def test_split_ops_key_is_validated():
+  from jaxpipe.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  assert config_lib.load(_runs.TINY).run.cpu_split_ops == "auto"
+  with pytest.raises(ConfigError, match="run.cpu_split_ops must be one of auto, always, never, "
+                                        "got 'sometimes'"):
+    config_lib.load(_runs.TINY, ["run.cpu_split_ops=sometimes"])
+
+
+def test_launcher_starts_the_backend_splitting_ops_only_where_a_core_is_spare(monkeypatch):
+  """`launch.start` passes `split_cpu_ops`'s answer for the run's devices and the process's
+  cores to the backend, and lets XLA split as it will where GPUs are expected."""
+  seen = []
+  monkeypatch.setattr(accel, "start_backend",
+                      lambda split_ops: seen.append(split_ops) or (jax.devices(), set()))
+  monkeypatch.setattr(launch, "check_devices", lambda cfg, devices: None)
+  monkeypatch.setattr(launch, "usable_cores", lambda: 2)
+  two_stages = ["pipeline.schedule=2bw", "pipeline.stages=2"]
+  for gpu, overrides, want in ((False, two_stages, False), (False, [], True),
+                               (False, two_stages + ["run.cpu_split_ops=always"], True),
+                               (False, ["run.cpu_split_ops=never"], False),
+                               (True, two_stages, True)):
+    monkeypatch.setattr(accel, "gpu_expected", lambda env=None, gpu=gpu: gpu)
+    launch.start(config_lib.load(_runs.TINY, overrides))
+    assert seen[-1] is want, (gpu, overrides)
+
+
+_SPLIT_PROBE = """
+import os, json, jax, jax.numpy as jnp
+from jaxpipe import accel
+accel.start_backend(split_ops=os.environ["PROBE_SPLIT"] == "1")
+f = jax.jit(lambda x: jnp.tanh(x).T * 2.0 + x)
+x = jnp.ones((1024, 1024))
+outside = f.lower(x).compile().as_text()
+with accel.compiling():
+  inside = jax.jit(lambda x: jnp.tanh(x).T * 3.0 + x).lower(x).compile().as_text()
+after = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+key = 'outer_dimension_partitions":["2"]'
+print(json.dumps({"outside": outside.count(key), "inside": inside.count(key),
+                  "after": sorted(after), "cores": sorted(os.sched_getaffinity(0))}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or shutil.which("taskset") is None,
+                    reason="needs Linux's CPU affinity, taskset and two cores")
+def test_compiling_without_split_ops_gives_xla_one_core_and_the_threads_theirs_back():
+  """On two cores XLA splits a large elementwise operation in two; after
+  `start_backend(split_ops=False)`, what is compiled inside `compiling()` is
+  not split, what is compiled outside still is, and every thread ends with the
+  process's cores."""
+  cores = sorted(os.sched_getaffinity(0))[:2]
+  out = {}
+  for split in ("1", "0"):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PROBE_SPLIT": split,
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    # JAX's persistent cache does not key on the threads: one run's program
+    # would be the other's.
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    p = subprocess.run(["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-c",
+                        _SPLIT_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out[split] = json.loads(p.stdout.strip().splitlines()[-1])
+  assert out["1"]["outside"] >= 1 and out["1"]["inside"] >= 1  # XLA splits by default
+  assert out["0"]["outside"] >= 1 and out["0"]["inside"] == 0
+  for r in out.values():
+    assert r["after"] == [r["cores"]] and r["cores"] == cores
+
+
 def test_gpu_flags_are_known_to_xla_and_inert_on_the_cpu():
   # XLA aborts on a flag it does not know ("Unknown flag in XLA_FLAGS"): every flag the
   # launcher may set must parse, and a CPU run with them computes as without.
@@ -347,3 +426,35 @@ def test_compile_cache_is_written_where_the_config_says(tmp_path):
   # The CPU reports no device memory: no record, no summary part.
   assert not os.path.exists(tmp_path / "run" / "device_memory.json")
   assert "peak device memory" not in p.stdout
+
+
+def test_a_schedule_compiles_its_step_inside_compiling_once_per_kind(monkeypatch):
+  """`Schedule.step`'s first call of each kind (plain, guarded) compiles, inside
+  `accel.compiling()`; later calls run the compiled step outside it; a lowered
+  step's `compile()` is inside it too."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from tests import _pipeline_util as util  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  entered = []
+
+  @contextlib.contextmanager
+  def counting():
+    entered.append(1)
+    yield
+
+  monkeypatch.setattr(accel, "compiling", counting)
+  m = 4
+  sch = make_schedule("2bw", util.stage_fns(), util.optimizer("adamw"), make_mesh(2, 1), m,
+                      stash="residuals")
+  state = sch.init(jax.tree.map(jnp.asarray, util.initial_params()), (m, util.ROWS, util.SEQ))
+  tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in util.batches(m)[0])
+  for _ in range(3):
+    state, _ = sch.step(state, tok, tgt)
+  assert len(entered) == 1
+  state, _ = sch.step(state, tok, tgt, go=jnp.asarray(True))
+  state, _ = sch.step(state, tok, tgt, go=jnp.asarray(True))
+  assert len(entered) == 2
+  sch.lower_step(state, tok, tgt).compile()
+  assert len(entered) == 3
+  jax.block_until_ready(state)

@@ -248,8 +248,10 @@ class CeilingRunner(_Timed):
     # is reduced over one.
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data"),
                        check_vma=False)
-    self.compiled = jax.jit(fn, donate_argnums=0).lower(
-        self.state, self.tokens, self.targets).compile()
+    from jaxpipe import accel  # pylint: disable=g-import-not-at-top
+    with accel.compiling():  # as the pipelines' steps are compiled
+      self.compiled = jax.jit(fn, donate_argnums=0).lower(
+          self.state, self.tokens, self.targets).compile()
 
 
 def memory_row(stats: Any) -> dict[str, int]:

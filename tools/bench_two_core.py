@@ -66,6 +66,11 @@ IO_THREAD_ENV = "JAXPIPE_BENCH_IO_THREAD"
 # (for --compare-env: "one" or "per_thread"); unset, "auto", as train.py's default.
 ARENA_ENV = "JAXPIPE_BENCH_ARENAS"
 
+# Whether a worker's XLA may split an operation over its threads, as
+# train.py's key run.cpu_split_ops takes it (for --compare-env: "always" or
+# "never"); unset, "auto", as train.py's default.
+SPLIT_ENV = "JAXPIPE_BENCH_SPLIT_OPS"
+
 # Marks the worker's replies on its stdout, where libraries (gloo) print too.
 _REPLY = "@jaxpipe-bench"
 
@@ -91,7 +96,9 @@ def worker(spec: dict[str, Any]) -> int:
   several `jax.distributed` processes (gloo collectives over loopback).
   Its malloc is tuned as train.py's launcher tunes it for a CPU run
   (`jaxpipe.accel.tune_cpu_malloc`; one arena where it has one device),
-  unless its environment chooses.
+  unless its environment chooses, and its backend started as the launcher
+  starts it (no operation split over the threads where every core runs a
+  device, `jaxpipe.launch.split_cpu_ops`).
   """
   from jaxpipe import accel, launch  # pylint: disable=g-import-not-at-top
   dist = spec.get("dist")
@@ -107,7 +114,11 @@ def worker(spec: dict[str, Any]) -> int:
     jax.distributed.initialize(coordinator_address=dist["coordinator"],
                                num_processes=dist["num_processes"],
                                process_id=dist["process_id"])
-    _, new_threads = accel.start_backend()
+  # As train.py's launcher starts it (`jaxpipe.launch.start`): no operation
+  # split over the threads where every core runs a device.
+  split = launch.split_cpu_ops(os.environ.get(SPLIT_ENV, "auto"), devices, launch.usable_cores())
+  _, new_threads = accel.start_backend(split_ops=split)
+  if dist:
     if os.environ.get(IO_THREAD_ENV) != "normal":
       launch.idle_io_thread(new_threads, 1, dist["process_id"])  # as train.py's launcher
   shape = ModelShape(**spec["shape"])

@@ -19,6 +19,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpipe import accel
 from jaxpipe.pipeline import _vocab
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, no_experts
 from jaxpipe.pipeline._mesh import make_mesh
@@ -140,8 +141,9 @@ class StepProgram:
     self._inner, self._args = inner, args
 
   def compile(self, *a, **k) -> "StepProgram":
-    """The compiled step (`jax.stages.Lowered.compile`), wrapped likewise."""
-    return StepProgram(self._inner.compile(*a, **k), self._args)
+    """The compiled step (`jax.stages.Lowered.compile`, in `accel.compiling`), wrapped likewise."""
+    with accel.compiling():
+      return StepProgram(self._inner.compile(*a, **k), self._args)
 
   def __call__(self, state, *rest):
     """Runs the compiled step on `state` (and tokens, targets, `go`): (state, metrics)."""
@@ -267,6 +269,7 @@ class Schedule:
     self.vocab = (_vocab.padded_vocab(fns.vocab_size, self.num_stages)
                   if self.pipelined and vocab_parallel else fns.vocab_size)
     self._jit_step = None
+    self._compiled_steps: set[bool] = set()  # step kinds (guarded or not) called once
     self._jit_eval = None
 
   # --- shardings, from the kinds of the state's fields -------------------------
@@ -587,7 +590,14 @@ class Schedule:
     metrics waits for the step.
     """
     fn, args = self._jitted_step(state, go is not None)
-    return fn(args(state), tokens, targets, *(() if go is None else (go,)))
+    if (go is not None) in self._compiled_steps:
+      return fn(args(state), tokens, targets, *(() if go is None else (go,)))
+    # The first call compiles (`accel.compiling`: on CPUs with a core per
+    # device, no operation split over the threads).
+    with accel.compiling():
+      out = fn(args(state), tokens, targets, *(() if go is None else (go,)))
+    self._compiled_steps.add(go is not None)
+    return out
 
   def lower_step(self, state, tokens, targets, go: Optional[jax.Array] = None):
     """The lowered (not yet compiled) step, for HLO inspection and compile timing.
