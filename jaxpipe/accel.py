@@ -38,6 +38,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import threading
 import time
 from typing import Any, Collection, Mapping, NamedTuple, Optional, Sequence
 
@@ -341,59 +342,86 @@ def thread_ids() -> set[int]:
 def start_backend(*, split_ops: bool = True) -> tuple[list[Any], set[int]]:
   """Starts JAX's backend: (`jax.devices()`, the ids of the threads that appeared meanwhile).
 
-  Where the backend had started before, no thread appears. `split_ops=False`
-  (CPU devices, each with a core of its own) makes the programs compiled
-  from then on inside `compiling()` split no operation over the threads.
+  Where the backend had started before, no thread appears. With
+  `split_ops=False` and CPU devices, the programs compiled from then on
+  inside `compiling()` have no loop operation partitioned over the threads;
+  `split_ops=True`, or devices of another platform, leave XLA's choice.
   """
   import jax  # pylint: disable=g-import-not-at-top
   global _COMPILE_CORES
   before = thread_ids()
   devices = jax.devices()
-  if not split_ops and hasattr(os, "sched_getaffinity"):
-    _COMPILE_CORES = frozenset(os.sched_getaffinity(0))
+  cpu = bool(devices) and devices[0].platform == "cpu"
+  _COMPILE_CORES = (frozenset(os.sched_getaffinity(0))
+                    if not split_ops and cpu and hasattr(os, "sched_getaffinity") else None)
   return devices, thread_ids() - before
 
 
-# The cores of the process while XLA compiles for one thread per operation
-# (`start_backend(split_ops=False)`); None: XLA compiles as it will.
+# The cores of the process while XLA compiles without partitioning loop
+# operations (`start_backend(split_ops=False)`); None: XLA compiles as it will.
 _COMPILE_CORES: Optional[frozenset] = None
+_PINNED = {"depth": 0, "saved": {}}
+_PIN_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def compiling():
   """Where the backend was started with split_ops=False: XLA compiles in here
-  without splitting any operation over the threads.
+  without partitioning any loop operation over the threads.
 
-  XLA's CPU compiler splits a loop operation over as many threads as the
-  cores its compiling thread may use (`outer_dimension_partitions` in the
-  compiled HLO; the build option that would say so is not reachable from
-  JAX), and the runtime hands the other part to its thread pool. Where every
-  core already runs a device of the process, that part waits for a thread
-  busy with another device's work, and the devices of a pipeline wait for
-  each other (docs/benchmark.md, "Operations split over the threads").
-  The compilation runs on one of XLA's own threads, so while inside, every
-  thread of the process may use one core only; after, every thread gets the
-  process's cores back (a program already running is moved back at once).
-  Elsewhere this does nothing. JAX's persistent compilation cache does not
-  key on this: a program it holds is loaded as it was compiled.
+  XLA's CPU compiler partitions a loop operation over as many threads as
+  the cores its compiling thread may use (`outer_dimension_partitions` in
+  the compiled HLO; the build option that would say so is not reachable
+  from JAX), and the runtime hands the other part to its thread pool. Where
+  every core already runs a device of the process, that part waits for a
+  thread busy with another device's work, and the devices of a pipeline
+  wait for each other (docs/benchmark.md, "Operations split over the
+  threads"). The compilation runs on one of XLA's own threads, so while
+  inside, every thread of the process may use one core only, and after,
+  each gets back the cores it had (a program already running is moved back
+  at once); nested or concurrent uses pin once and restore once. Dots are
+  not loop operations: the runtime still splits them over its pool. The
+  compilation itself then runs on one core. Elsewhere this does nothing.
+  JAX's persistent compilation cache does not key on this: a program it
+  holds is loaded as it was compiled.
   """
   cores = _COMPILE_CORES
   if cores is None:
     yield
     return
-  _pin_threads({min(cores)})
+  with _PIN_LOCK:
+    if _PINNED["depth"] == 0:
+      _PINNED["saved"] = _pin_threads({min(cores)})
+    _PINNED["depth"] += 1
   try:
     yield
   finally:
-    _pin_threads(set(cores))
+    with _PIN_LOCK:
+      _PINNED["depth"] -= 1
+      if _PINNED["depth"] == 0:
+        saved = _PINNED["saved"]
+        # A thread that started while pinned gets the process's cores.
+        for tid in thread_ids():
+          _set_affinity(tid, saved.get(tid, cores))
 
 
-def _pin_threads(cores: set[int]) -> None:
+def _pin_threads(cores: set[int]) -> dict[int, frozenset]:
+  """Pins every thread of the process to `cores`; returns each one's cores before."""
+  saved = {}
   for tid in thread_ids():
     try:
-      os.sched_setaffinity(tid, cores)
+      saved[tid] = frozenset(os.sched_getaffinity(tid))
     except OSError:  # a thread that ended meanwhile
-      pass
+      continue
+    _set_affinity(tid, cores)
+  return saved
+
+
+def _set_affinity(tid: int, cores) -> None:
+  try:
+    os.sched_setaffinity(tid, cores)
+  except OSError:  # a thread that ended meanwhile
+    pass
 
 
 def _in_epoll(tid: int) -> bool:

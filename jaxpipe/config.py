@@ -83,9 +83,11 @@ class RunConfig:
   # gpipe's stash) but the devices' threads of a process share its lock;
   # "auto" is "one" for a process of one device, "per_thread" otherwise.
   cpu_malloc_arenas: CpuArenas = "auto"
-  # Runs on CPUs: whether XLA may split one operation over the process's
-  # threads (jaxpipe.accel.start_backend). "auto" is "never" where every core the
-  # process may use serves a device of it (a stage per core), "always" otherwise.
+  # Runs on CPUs: whether XLA's compiler may partition a loop operation of the
+  # training step over the process's threads (jaxpipe.accel.compiling; dots
+  # are split by the runtime either way). "auto" is "never" where the process
+  # has at least as many devices as cores in its affinity (a stage per core),
+  # "always" otherwise. Ignored on GPUs; "never" compiles on one core.
   cpu_split_ops: CpuSplitOps = "auto"
 
 

@@ -124,12 +124,14 @@ def usable_cores() -> Optional[int]:
 
 
 def split_cpu_ops(choice: str, local_devices: int, cores: Optional[int]) -> bool:
-  """Whether XLA's CPU runtime may split one operation over the process's threads.
+  """Whether XLA's CPU compiler may partition a loop operation over the process's threads.
 
   `choice` is a value of `run.cpu_split_ops`. `auto`: only where the process
   may use more cores than it has devices (one device on a many-core host
-  gains from it); where every core runs a device, a split operation waits
-  for a thread busy with another device (`jaxpipe.accel.start_backend`).
+  gains from it), or where its cores are unknown (None); where every core
+  runs a device, a partitioned operation waits for a thread busy with
+  another device (`jaxpipe.accel.compiling`). The cores are the process's
+  CPU affinity, not a cgroup's CPU quota.
   """
   if choice not in config_lib.CPU_SPLIT_OPS:
     raise ValueError(f"run.cpu_split_ops must be one of {', '.join(config_lib.CPU_SPLIT_OPS)}, "
@@ -171,10 +173,10 @@ def start(cfg: Config) -> None:
       # SLURM: everything else from the job's environment.
       jax.distributed.initialize(local_device_ids=ids, **timeouts)
     watch_peers(cfg)
-  # On CPUs, each device of the process is one of its threads: whether an
-  # operation may also split over the threads (`split_cpu_ops`).
-  split = accel.gpu_expected() or split_cpu_ops(cfg.run.cpu_split_ops,
-                                                 local_devices_needed(cfg), usable_cores())
+  # On CPUs, each device of the process is one of its threads: whether a
+  # loop operation may also be partitioned over them (`split_cpu_ops`; the
+  # backend ignores it for devices of another platform).
+  split = split_cpu_ops(cfg.run.cpu_split_ops, local_devices_needed(cfg), usable_cores())
   devices, new_threads = accel.start_backend(split_ops=split)  # gloo's I/O thread starts here
   if num > 1 and cfg.dist.idle_io_thread and devices[0].platform == "cpu":
     idle_io_thread(new_threads, len(jax.local_devices()), pid)

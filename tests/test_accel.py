@@ -281,20 +281,18 @@ def test_split_ops_key_is_validated():
 
 def test_launcher_starts_the_backend_splitting_ops_only_where_a_core_is_spare(monkeypatch):
   """`launch.start` passes `split_cpu_ops`'s answer for the run's devices and the process's
-  cores to the backend, and lets XLA split as it will where GPUs are expected."""
+  cores to the backend (which ignores it for devices of another platform)."""
   seen = []
   monkeypatch.setattr(accel, "start_backend",
                       lambda split_ops: seen.append(split_ops) or (jax.devices(), set()))
   monkeypatch.setattr(launch, "check_devices", lambda cfg, devices: None)
   monkeypatch.setattr(launch, "usable_cores", lambda: 2)
   two_stages = ["pipeline.schedule=2bw", "pipeline.stages=2"]
-  for gpu, overrides, want in ((False, two_stages, False), (False, [], True),
-                               (False, two_stages + ["run.cpu_split_ops=always"], True),
-                               (False, ["run.cpu_split_ops=never"], False),
-                               (True, two_stages, True)):
-    monkeypatch.setattr(accel, "gpu_expected", lambda env=None, gpu=gpu: gpu)
+  for overrides, want in ((two_stages, False), ([], True),
+                          (two_stages + ["run.cpu_split_ops=always"], True),
+                          (["run.cpu_split_ops=never"], False)):
     launch.start(config_lib.load(_runs.TINY, overrides))
-    assert seen[-1] is want, (gpu, overrides)
+    assert seen[-1] is want, overrides
 
 
 _SPLIT_PROBE = """
@@ -304,12 +302,34 @@ accel.start_backend(split_ops=os.environ["PROBE_SPLIT"] == "1")
 f = jax.jit(lambda x: jnp.tanh(x).T * 2.0 + x)
 x = jnp.ones((1024, 1024))
 outside = f.lower(x).compile().as_text()
+import threading
+cores = sorted(os.sched_getaffinity(0))
+ready, stop, own = threading.Event(), threading.Event(), []
+def narrow():  # a thread of its own narrower affinity keeps it
+  os.sched_setaffinity(0, {cores[-1]})
+  own.append(threading.get_native_id())
+  ready.set()
+  stop.wait()
+t = threading.Thread(target=narrow)
+t.start()
+ready.wait()
 with accel.compiling():
+  with accel.compiling():  # nested: pinned once, restored once
+    pass
+  pinned = sorted(os.sched_getaffinity(0))
   inside = jax.jit(lambda x: jnp.tanh(x).T * 3.0 + x).lower(x).compile().as_text()
+try:
+  with accel.compiling():
+    raise KeyError("while compiling")
+except KeyError:
+  pass
+mine = sorted(os.sched_getaffinity(own[0]))
+stop.set()
+t.join()
 after = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
 key = 'outer_dimension_partitions":["2"]'
 print(json.dumps({"outside": outside.count(key), "inside": inside.count(key),
-                  "after": sorted(after), "cores": sorted(os.sched_getaffinity(0))}))
+                  "after": sorted(after), "cores": cores, "pinned": pinned, "narrow": mine}))
 """
 
 
@@ -320,7 +340,7 @@ def test_compiling_without_split_ops_gives_xla_one_core_and_the_threads_theirs_b
   """On two cores XLA splits a large elementwise operation in two; after
   `start_backend(split_ops=False)`, what is compiled inside `compiling()` is
   not split, what is compiled outside still is, and every thread ends with the
-  process's cores."""
+  cores it had (a nested use and an exception inside included)."""
   cores = sorted(os.sched_getaffinity(0))[:2]
   out = {}
   for split in ("1", "0"):
@@ -335,8 +355,10 @@ def test_compiling_without_split_ops_gives_xla_one_core_and_the_threads_theirs_b
     out[split] = json.loads(p.stdout.strip().splitlines()[-1])
   assert out["1"]["outside"] >= 1 and out["1"]["inside"] >= 1  # XLA splits by default
   assert out["0"]["outside"] >= 1 and out["0"]["inside"] == 0
+  assert out["0"]["pinned"] == [cores[0]] and out["1"]["pinned"] == cores
   for r in out.values():
     assert r["after"] == [r["cores"]] and r["cores"] == cores
+    assert r["narrow"] == [cores[-1]]  # its own cores back, not the process's
 
 
 def test_gpu_flags_are_known_to_xla_and_inert_on_the_cpu():

@@ -97,7 +97,7 @@ def worker(spec: dict[str, Any]) -> int:
   Its malloc is tuned as train.py's launcher tunes it for a CPU run
   (`jaxpipe.accel.tune_cpu_malloc`; one arena where it has one device),
   unless its environment chooses, and its backend started as the launcher
-  starts it (no operation split over the threads where every core runs a
+  starts it (no loop operation partitioned over the threads where every core runs a
   device, `jaxpipe.launch.split_cpu_ops`).
   """
   from jaxpipe import accel, launch  # pylint: disable=g-import-not-at-top

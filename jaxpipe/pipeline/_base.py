@@ -592,8 +592,9 @@ class Schedule:
     fn, args = self._jitted_step(state, go is not None)
     if (go is not None) in self._compiled_steps:
       return fn(args(state), tokens, targets, *(() if go is None else (go,)))
-    # The first call compiles (`accel.compiling`: on CPUs with a core per
-    # device, no operation split over the threads).
+    # The first call of each kind compiles (`accel.compiling`: on CPUs with a
+    # core per device, no loop operation partitioned over the threads); a
+    # later call with inputs of other types would compile outside it.
     with accel.compiling():
       out = fn(args(state), tokens, targets, *(() if go is None else (go,)))
     self._compiled_steps.add(go is not None)
