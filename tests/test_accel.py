@@ -326,7 +326,12 @@ except KeyError:
 mine = sorted(os.sched_getaffinity(own[0]))
 stop.set()
 t.join()
-after = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+after = set()
+for tid in os.listdir("/proc/self/task"):
+  try:
+    after.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+  except OSError:  # a thread that ended meanwhile
+    pass
 key = 'outer_dimension_partitions":["2"]'
 print(json.dumps({"outside": outside.count(key), "inside": inside.count(key),
                   "after": sorted(after), "cores": cores, "pinned": pinned, "narrow": mine}))
