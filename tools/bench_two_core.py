@@ -118,9 +118,8 @@ def worker(spec: dict[str, Any]) -> int:
   # split over the threads where every core runs a device.
   split = launch.split_cpu_ops(os.environ.get(SPLIT_ENV, "auto"), devices, launch.usable_cores())
   _, new_threads = accel.start_backend(split_ops=split)
-  if dist:
-    if os.environ.get(IO_THREAD_ENV) != "normal":
-      launch.idle_io_thread(new_threads, 1, dist["process_id"])  # as train.py's launcher
+  if dist and os.environ.get(IO_THREAD_ENV) != "normal":
+    launch.idle_io_thread(new_threads, 1, dist["process_id"])  # as train.py's launcher
   shape = ModelShape(**spec["shape"])
   if spec["schedule"] == "ceiling":
     r = CeilingRunner(shape, spec["microbatches"], spec["data"])

@@ -8,6 +8,7 @@ places them with and the specs `shard_map` splits them by.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
@@ -589,15 +590,15 @@ class Schedule:
     is); without `go` there is none. Dispatch returns at once; reading the
     metrics waits for the step.
     """
-    fn, args = self._jitted_step(state, go is not None)
-    if (go is not None) in self._compiled_steps:
-      return fn(args(state), tokens, targets, *(() if go is None else (go,)))
+    guarded = go is not None
+    fn, args = self._jitted_step(state, guarded)
     # The first call of each kind compiles (`accel.compiling`: on CPUs with a
     # core per device, no loop operation partitioned over the threads); a
     # later call with inputs of other types would compile outside it.
-    with accel.compiling():
-      out = fn(args(state), tokens, targets, *(() if go is None else (go,)))
-    self._compiled_steps.add(go is not None)
+    first = guarded not in self._compiled_steps
+    with accel.compiling() if first else contextlib.nullcontext():
+      out = fn(args(state), tokens, targets, *((go,) if guarded else ()))
+    self._compiled_steps.add(guarded)
     return out
 
   def lower_step(self, state, tokens, targets, go: Optional[jax.Array] = None):
