@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from jaxpipe import trainer
+from jaxpipe import runs, trainer
 from tests import _runs
 
 ARGS = ("pipeline.schedule=2bw", "pipeline.stages=2", "mesh.data=2", "run.steps=4",
@@ -186,15 +186,20 @@ def _run_two_to_end(run_dir, tmp, cache, tag):
   return [p.returncode for p in procs]
 
 
-def _lose_one(tmp_path, cache, victim, sig, *more):
-  """Runs LOST on two processes, sends `sig` to `victim` after checkpoint 3; returns
-  (the survivor's exit status, seconds from the loss to its exit, its stderr, run_dir)."""
+def _checkpoint_3(run_dir):
+  return 3 in _runs.checkpoints(run_dir)
+
+
+def _lose_one(tmp_path, cache, victim, sig, *more, ready=_checkpoint_3):
+  """Runs LOST on two processes, sends `sig` to `victim` once `ready(run_dir)` (by default
+  after checkpoint 3); returns (the survivor's exit status, seconds from the loss to its
+  exit, its stderr, run_dir)."""
   run_dir = str(tmp_path / "run")
   procs = _start_two(run_dir, tmp_path, *LOST, *more, env=_two_device_env(cache, devices=1),
                      tag="lost")
   survivor = procs[1 - victim]
   try:
-    assert _runs.wait_for(lambda: 3 in _runs.checkpoints(run_dir) or survivor.poll() is not None,
+    assert _runs.wait_for(lambda: ready(run_dir) or survivor.poll() is not None,
                           timeout=300, interval=0.01)
     assert survivor.poll() is None, (tmp_path / f"lost{1 - victim}.err").read_text()
     procs[victim].send_signal(sig)
@@ -254,9 +259,17 @@ def test_a_lost_process_ends_the_other_with_one_line(tmp_path, cache, whole, vic
 
 
 def test_a_step_that_makes_no_progress_ends_the_run(tmp_path, cache):
-  """A stopped peer with heartbeats too slow to notice: dist.step_timeout_s does."""
-  status, took, err, _ = _lose_one(tmp_path, cache, 1, signal.SIGSTOP,
-                                   "dist.heartbeat_timeout_s=120", "dist.step_timeout_s=4")
+  """A stopped peer with heartbeats too slow to notice: dist.step_timeout_s does.
+
+  The peer is stopped while the survivor steps: no periodic checkpoint, and
+  the survivor (process 0, which writes the metrics) has recorded batch 3.
+  A save pauses the step watchdog (its time is the disk's), so a peer
+  stopped during one is the heartbeats' to notice, not this test's case.
+  """
+  status, took, err, _ = _lose_one(
+      tmp_path, cache, 1, signal.SIGSTOP, "checkpoint.every=0",
+      "dist.heartbeat_timeout_s=120", "dist.step_timeout_s=4",
+      ready=lambda run_dir: max(runs.losses(run_dir), default=-1) >= 3)
   _says_lost_in_one_line(err, status, "no training step finished for",
                          "dist.step_timeout_s=4", "process 0 stopped without saving")
   assert took < 20, took
