@@ -637,21 +637,58 @@ def test_bench_train_steps_rotates_rounds_and_divides_the_reference(monkeypatch)
   calls = []
   fake = {"none": [0.8, 0.6], "2bw": [0.5, 0.4], "1f1b": [0.4, 0.5]}
 
+  fake["hardware"] = [0.9, 0.75]
+
   def run_once(schedule, cores, tokenizer, steps, work, extra=()):
     assert extra == ("run.cpu_malloc_arenas=one",)   # the overrides reach every run
     calls.append((schedule, cores))
     return fake[schedule][sum(1 for c, _ in calls if c == schedule) - 1]
 
+  def run_hardware(cores, tokenizer, steps, work, extra=()):
+    return run_once("hardware", ",".join(cores), tokenizer, steps, work, extra)
+
   monkeypatch.setattr(mod, "run_once", run_once)
+  monkeypatch.setattr(mod, "run_hardware", run_hardware)
   rows = mod.measure(("2bw", "1f1b"), "byte", 2, 8, ("0", "1"), log=lambda _: None,
                      extra=("run.cpu_malloc_arenas=one",))
-  assert calls == [("none", "0"), ("2bw", "0,1"), ("1f1b", "0,1"),
-                   ("2bw", "0,1"), ("1f1b", "0,1"), ("none", "0")]
+  assert calls == [("none", "0"), ("2bw", "0,1"), ("1f1b", "0,1"), ("hardware", "0,1"),
+                   ("2bw", "0,1"), ("1f1b", "0,1"), ("hardware", "0,1"), ("none", "0")]
   by = {r["schedule"]: r for r in rows}
   assert by["2bw"]["speedups"] == pytest.approx([0.8 / 0.5, 0.6 / 0.4])
   assert by["1f1b"]["median"] == pytest.approx((0.8 / 0.4 + 0.6 / 0.5) / 2)
+  # The hardware row does twice the reference's work; a schedule's share is per round.
+  assert by["hardware"]["speedups"] == pytest.approx([2 * 0.8 / 0.9, 2 * 0.6 / 0.75])
+  assert by["2bw"]["of_hardware"] == pytest.approx(
+      ((0.8 / 0.5) / (1.6 / 0.9) + (0.6 / 0.4) / (1.2 / 0.75)) / 2)
   table = mod.table(rows, "byte")
   assert "| byte | 2bw | 0.800 / 0.600 | 0.500 / 0.400 | 1.60x / 1.50x | 1.55x |" in table
+  assert "| byte | hardware (two one-device runs at once) | 0.800 / 0.600 | 0.900 / 0.750 |" in table
+
+
+def test_bench_train_steps_hardware_row_runs_two_references_at_once(tmp_path, monkeypatch):
+  """run_hardware starts a one-device run on each core before waiting; the slower counts."""
+  mod = _load("bench_train_steps")
+  started = []
+
+  class FakePopen:
+    def __init__(self, cmd, **kwargs):
+      started.append(cmd)
+      self.returncode = None
+      run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("run.dir="))
+      t = 0.5 if cmd[2] == "0" else 0.7
+      with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps({"step": k, "step_time_s": t}) + "\n" for k in range(8)))
+
+    def communicate(self):
+      assert len(started) == 2   # both running before either is waited for
+      self.returncode = 0
+      return "", ""
+
+  monkeypatch.setattr(mod.subprocess, "Popen", FakePopen)
+  assert mod.run_hardware(("0", "1"), "byte", 8, str(tmp_path)) == pytest.approx(0.7)
+  assert [c[:3] for c in started] == [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
+  assert all("pipeline.schedule=none" in c and "pipeline.stages=1" in c for c in started)
+  assert all(any(a.startswith("run.compile_cache=") for a in c) for c in started)
 
 
 def test_bench_train_steps_reads_train_py_step_times(tmp_path, monkeypatch):

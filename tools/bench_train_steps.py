@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What users see: `train.py`'s own `step_time_s`, two stages on two cores against one device on one.
 
-  python tools/bench_train_steps.py                          # byte vocabulary, 2bw 1f1b gpipe
+  python tools/bench_train_steps.py                          # byte vocabulary, 2bw 1f1b gpipe, 6 rounds
   python tools/bench_train_steps.py --tokenizer gpt2 --rounds 3 --out-md /tmp/train_steps.md
   python tools/bench_train_steps.py --tokenizer gpt2 run.cpu_malloc_arenas=one   # overrides for every run
 
@@ -16,9 +16,16 @@ schedule with `pipeline.stages=2` pinned to both. A round runs each
 configuration once, in an order rotated every round. A run's step time is the
 median of its `metrics.jsonl` `step_time_s` from step 3 on (the first steps
 include compilation); a round's speed-up is the reference's over the
-schedule's. It prints a markdown table (each round's speed-up, their median,
-the load average) and writes it to --out-md. The runs' folders are made in a
-temporary directory and removed; the tokenised corpus is cached there too.
+schedule's. Each round also runs two one-device runs at once, one pinned to
+each core (the hardware row: twice the reference's work in the slower one's
+step time), so that a schedule's speed-up stands beside what the two cores
+give work that shares nothing, measured the same way. It prints a markdown table (each round's speed-up, their median
+and quartiles, the load average) and writes it to --out-md. The runs'
+folders are made in a temporary directory and removed; the tokenised corpus
+and JAX's compilation cache (`run.compile_cache`) are kept there for the
+rounds, so only the first round compiles and a round takes seconds per run:
+a virtual machine's cores change speed over tens of seconds, and many short
+rounds average that out where two long ones draw it twice.
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -54,21 +61,58 @@ SCHEDULES = PIPELINED
 FIRST_TIMED = 3
 
 
-def run_once(schedule: str, cores: str, tokenizer: str, steps: int, work: str,
-             extra: tuple[str, ...] = ()) -> float:
-  """Median `step_time_s` from step FIRST_TIMED on of one pinned `train.py` run."""
+def _command(schedule: str, cores: str, tokenizer: str, steps: int, work: str,
+             extra: tuple[str, ...]) -> tuple[list[str], dict[str, str], str]:
+  """(argv, environment, run directory) of one pinned `train.py` run."""
   run_dir = tempfile.mkdtemp(prefix=f"{schedule}-", dir=work)
   stages = 1 if schedule == "none" else 2
   cmd = ["taskset", "-c", cores, sys.executable, os.path.join(ROOT, "train.py"),
          "--config", os.path.join(ROOT, "configs", "tiny.yaml"), *SHAPE,
          f"data.tokenizer={tokenizer}", f"data.cache_dir={os.path.join(work, 'cache')}",
          f"pipeline.schedule={schedule}", f"pipeline.stages={stages}",
-         f"run.dir={run_dir}", f"run.steps={steps}", *extra]
+         f"run.dir={run_dir}", f"run.steps={steps}",
+         f"run.compile_cache={os.path.join(work, 'jax-cache')}", *extra]
   env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", JAX_PLATFORMS="cpu")
+  return cmd, env, run_dir
+
+
+def _check(schedule: str, returncode: int, stdout: str, stderr: str) -> None:
+  if returncode != 0:
+    tail = (stderr or stdout).strip().splitlines()[-1:] or ["(no output)"]
+    raise RuntimeError(f"train.py {schedule} exited {returncode}: {tail[0]}")
+
+
+def run_once(schedule: str, cores: str, tokenizer: str, steps: int, work: str,
+             extra: tuple[str, ...] = ()) -> float:
+  """Median `step_time_s` from step FIRST_TIMED on of one pinned `train.py` run."""
+  cmd, env, run_dir = _command(schedule, cores, tokenizer, steps, work, extra)
   done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
-  if done.returncode != 0:
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-    raise RuntimeError(f"train.py {schedule} exited {done.returncode}: {tail[0]}")
+  _check(schedule, done.returncode, done.stdout, done.stderr)
+  return _median_step(schedule, run_dir)
+
+
+def run_hardware(cores: tuple[str, str], tokenizer: str, steps: int, work: str,
+                 extra: tuple[str, ...] = ()) -> float:
+  """Two one-device `train.py` runs at once, one pinned to each core: the slower's step time.
+
+  What the two cores give two processes that share nothing, run as the
+  schedules run (many steps in a row): the platform's own limit, by the
+  same method.
+  """
+  started = []
+  for core in cores:
+    cmd, env, run_dir = _command("none", core, tokenizer, steps, work, extra)
+    started.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True), run_dir))
+  times = []
+  for proc, run_dir in started:
+    out, err = proc.communicate()
+    _check("none", proc.returncode, out, err)
+    times.append(_median_step("none", run_dir))
+  return max(times)
+
+
+def _median_step(schedule: str, run_dir: str) -> float:
   times = []
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     for line in f:
@@ -82,26 +126,39 @@ def run_once(schedule: str, cores: str, tokenizer: str, steps: int, work: str,
 
 def measure(schedules: tuple[str, ...], tokenizer: str, rounds: int, steps: int,
             cores: tuple[str, str], log=print, extra: tuple[str, ...] = ()) -> list[dict]:
-  """{schedule, ref_s, step_s, speedups, median} per schedule over `rounds` rotated rounds.
+  """{schedule, ref_s, step_s, speedups, median, ...} per schedule and the hardware row.
 
-  `extra`: config overrides (KEY=VALUE) for every run, the reference's too.
+  Every round runs the reference, each schedule and the hardware row
+  (`run_hardware`; its speed-up is twice the reference's work over its
+  time) once, in an order rotated every round. `extra`: config overrides
+  (KEY=VALUE) for every run, the reference's too.
   """
-  configs = ["none", *schedules]
+  configs = ["none", *schedules, "hardware"]
   times: dict[str, list[float]] = {c: [] for c in configs}
   loads = [_load()]
   with tempfile.TemporaryDirectory(prefix="jaxpipe-train-steps-") as work:
     for i in range(rounds):
       order = configs[i % len(configs):] + configs[:i % len(configs)]
       for c in order:
-        where = cores[0] if c == "none" else ",".join(cores)
-        times[c].append(run_once(c, where, tokenizer, steps, work, extra))
+        if c == "hardware":
+          times[c].append(run_hardware(cores, tokenizer, steps, work, extra))
+        else:
+          where = cores[0] if c == "none" else ",".join(cores)
+          times[c].append(run_once(c, where, tokenizer, steps, work, extra))
         log(f"  round {i + 1}/{rounds} {c}: {times[c][-1]:.3f} s/step (load {_load()})")
   loads.append(_load())
   rows = []
-  for s in schedules:
-    ratios = [a / b for a, b in zip(times["none"], times[s])]
+  # The hardware row does twice the reference's work in its time.
+  hardware = [2 * a / b for a, b in zip(times["none"], times["hardware"])]
+  for s in (*schedules, "hardware"):
+    ratios = (hardware if s == "hardware"
+              else [a / b for a, b in zip(times["none"], times[s])])
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     rows.append({"schedule": s, "ref_s": times["none"], "step_s": times[s],
                  "speedups": ratios, "median": statistics.median(ratios),
+                 "quartiles": (q[0], q[2]),
+                 # Per round, the schedule's speed-up over the hardware row's.
+                 "of_hardware": statistics.median(r / h for r, h in zip(ratios, hardware)),
                  "load": f"{loads[0].split('/')[0]}-{loads[1].split('/')[0]}"})
   return rows
 
@@ -109,13 +166,18 @@ def measure(schedules: tuple[str, ...], tokenizer: str, rounds: int, steps: int,
 def table(rows: list[dict], tokenizer: str) -> str:
   """Markdown: each schedule's step time and speed-up over the one-device run, per round."""
   lines = ["| tokenizer | schedule | one device s/step (per round) | two cores s/step (per round) "
-           "| speed-up per round | median | load (1 min) |", "|---|---|---|---|---|---:|---|"]
+           "| speed-up per round | median | quartiles | share of the hardware row "
+           "| load (1 min) |",
+           "|---|---|---|---|---|---:|---:|---:|---|"]
   for r in rows:
-    lines.append(f"| {tokenizer} | {r['schedule']} | "
+    label = ("hardware (two one-device runs at once)" if r["schedule"] == "hardware"
+             else r["schedule"])
+    share = "-" if r["schedule"] == "hardware" else f"{r['of_hardware']:.0%}"
+    lines.append(f"| {tokenizer} | {label} | "
                  f"{' / '.join(f'{t:.3f}' for t in r['ref_s'])} | "
                  f"{' / '.join(f'{t:.3f}' for t in r['step_s'])} | "
                  f"{' / '.join(f'{x:.2f}x' for x in r['speedups'])} | {r['median']:.2f}x | "
-                 f"{r['load']} |")
+                 f"{r['quartiles'][0]:.2f}-{r['quartiles'][1]:.2f} | {share} | {r['load']} |")
   return "\n".join(lines)
 
 
@@ -131,8 +193,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                  help=f"comma-separated, of {', '.join(SCHEDULES)} (default 2bw,1f1b,gpipe)")
   p.add_argument("--tokenizer", default="byte", choices=BUILTIN_TOKENIZERS,
                  help="byte (vocabulary 257) or gpt2 (50257)")
-  p.add_argument("--rounds", type=int, default=2, help="rotated rounds (default 2)")
-  p.add_argument("--steps", type=int, default=12, help="steps per run (default 12)")
+  p.add_argument("--rounds", type=int, default=6, help="rotated rounds (default 6)")
+  p.add_argument("--steps", type=int, default=16, help="steps per run (default 16)")
   p.add_argument("--cores", default="0,1", help="the two cores to pin to (default 0,1)")
   p.add_argument("--out-md", default=None, help="write the markdown table here")
   p.add_argument("overrides", nargs="*",
