@@ -10,7 +10,9 @@ Two watchers notice that a process of the run is gone:
   every process reads it, and where the service itself stops answering for
   that long, process 0 is the one lost.
 - `Watchdog`: no training step finished for `dist.step_timeout_s` (a
-  collective that never returns while every process is still alive).
+  collective that never returns while every process is still alive), or a
+  checkpoint save or first evaluation, which stop that clock, ran past
+  `dist.save_timeout_s`.
 
 JAX's coordination client has heartbeats of its own, but on a loss it
 aborts the process with a C++ stack dump, and the callback it takes in its
@@ -276,23 +278,37 @@ class Watchdog:
   `beat()` marks a finished step; the first one arms the watchdog, since the
   first step of a process compiles, which takes as long as it takes. Inside
   `paused()` (a checkpoint save, a first evaluation, whose time depends on
-  the disk or the compiler rather than on the peers) the clock stops and
-  restarts on exit. A context manager: the checking thread (a daemon) runs
-  inside it. `timeout_s` 0 turns it off.
+  the disk or the compiler rather than on the peers) the step clock stops
+  and restarts on exit; the paused section has a bound of its own,
+  `pause_timeout_s`, since a save waits at barriers for every process and
+  a peer that hangs there while its heartbeats go on would hold it forever.
+  A context manager: the checking thread (a daemon) runs inside it. A
+  timeout of 0 turns that bound off.
   """
 
   def __init__(self, timeout_s: float, on_timeout: Optional[Callable[[float], None]] = None,
-               clock: Callable[[], float] = time.monotonic):
-    """`on_timeout(seconds)` replaces `lost` (for tests); `clock` gives the time."""
+               clock: Callable[[], float] = time.monotonic, pause_timeout_s: float = 0):
+    """`on_timeout(seconds)` replaces `lost` (for tests); `clock` gives the time;
+    `pause_timeout_s` bounds each paused section (0: unbounded)."""
     self.timeout_s, self.clock = float(timeout_s), clock
-    self.on_timeout = on_timeout or (lambda s: lost(
-        f"no training step finished for {s:.0f} s (dist.step_timeout_s={self.timeout_s:g}): a "
-        "process stopped or a collective hung"))
+    self.pause_timeout_s = float(pause_timeout_s)
+    self.on_timeout = on_timeout or self._lost
     self._last: Optional[float] = None  # when the clock last restarted; None: not armed
     self._pauses = 0
+    self._paused_at: Optional[float] = None  # when the outermost pause began
+    self._late_in_pause = False
     self._mu = threading.Lock()
     self._done = threading.Event()
     self._thread: Optional[threading.Thread] = None
+
+  def _lost(self, seconds: float) -> None:
+    if self._late_in_pause:
+      lost(f"a checkpoint save or first evaluation did not finish in {seconds:.0f} s "
+           f"(dist.save_timeout_s={self.pause_timeout_s:g}): a process stopped or a "
+           "collective hung")
+    else:
+      lost(f"no training step finished for {seconds:.0f} s (dist.step_timeout_s="
+           f"{self.timeout_s:g}): a process stopped or a collective hung")
 
   def beat(self) -> None:
     """A step finished: restart the clock (and arm it on the first call)."""
@@ -301,29 +317,43 @@ class Watchdog:
 
   @contextlib.contextmanager
   def paused(self) -> Iterator[None]:
-    """Stops the clock inside the block; it restarts from zero when the block ends."""
+    """Stops the step clock inside the block (where `pause_timeout_s` bounds it instead);
+    the step clock restarts from zero when the block ends."""
     with self._mu:
+      if not self._pauses:
+        self._paused_at = self.clock()
       self._pauses += 1
     try:
       yield
     finally:
       with self._mu:
         self._pauses -= 1
+        if not self._pauses:
+          self._paused_at = None
         if self._last is not None:
           self._last = self.clock()
 
   def overdue(self) -> Optional[float]:
-    """Seconds since the clock restarted, if past the timeout (and armed, not paused)."""
+    """Seconds since the clock restarted (or the pause began), if past its bound (and armed)."""
     with self._mu:
-      if not self.timeout_s or self._last is None or self._pauses:
+      if self._last is None:
         return None
-      waited = self.clock() - self._last
-    return waited if waited > self.timeout_s else None
+      if self._pauses:
+        limit, since = self.pause_timeout_s, self._paused_at
+      else:
+        limit, since = self.timeout_s, self._last
+      if not limit:
+        return None
+      waited = self.clock() - since
+      late = waited > limit
+      if late:
+        self._late_in_pause = bool(self._pauses)
+    return waited if late else None
 
   def _watch(self) -> None:
-    # Checks several times per timeout, so the run ends at most a quarter
-    # late (and at least once a second for long timeouts).
-    interval = min(1.0, self.timeout_s / 4)
+    # Checks several times per bound, so the run ends at most a quarter
+    # late (and at least once a second for long bounds).
+    interval = min(1.0, min(t for t in (self.timeout_s, self.pause_timeout_s) if t) / 4)
     while not self._done.wait(interval):
       waited = self.overdue()
       if waited is not None:
@@ -331,7 +361,7 @@ class Watchdog:
         return
 
   def __enter__(self) -> "Watchdog":
-    if self.timeout_s:
+    if self.timeout_s or self.pause_timeout_s:
       self._thread = threading.Thread(target=self._watch, name="jaxpipe-watchdog", daemon=True)
       self._thread.start()
     return self

@@ -62,7 +62,7 @@ RESUMABLE_KEYS = frozenset({
     "run.cpu_malloc_arenas", "run.cpu_split_ops", "dist.idle_io_thread",
     # When a run of several processes gives up on a lost one.
     "dist.heartbeat_timeout_s", "dist.init_timeout_s", "dist.shutdown_timeout_s",
-    "dist.step_timeout_s",
+    "dist.step_timeout_s", "dist.save_timeout_s",
 })
 
 # Keys that change the mesh: a resumed run may change them where its schedule

@@ -290,7 +290,9 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start) -> dict[str, Any]:
   batches = _batches(run, begun.data_state)
   # With several processes, a step that never finishes (a hung collective)
   # ends the run, as a lost process does (jaxpipe._watchdog).
-  watch = _watchdog.Watchdog(cfg.dist.step_timeout_s if jax.process_count() > 1 else 0)
+  several = jax.process_count() > 1
+  watch = _watchdog.Watchdog(cfg.dist.step_timeout_s if several else 0,
+                             pause_timeout_s=cfg.dist.save_timeout_s if several else 0)
   evaluate = _evaluation(run, batches, watch)
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
   report = _loop.Report(cfg, _loop.host_schedule(run.lr_schedule, steps), start,

@@ -240,6 +240,27 @@ def _resume_equals_whole(tmp_path, cache, run_dir, whole):
   assert [losses[k] for k in range(24)] == [whole[k] for k in range(24)]
 
 
+def test_a_peer_stopped_around_a_save_ends_the_run(tmp_path, cache):
+  """Stopped as soon as checkpoint 3 is on disk, the survivor may still be inside that save
+  (which stops the step clock): dist.save_timeout_s bounds the save, the step watchdog the rest.
+
+  A save waits at barriers for every process; without that bound a peer
+  that hung there with its heartbeats going on would hold the survivor
+  forever (heartbeats too slow to notice here, as for a hung peer).
+  """
+  status, took, err, _ = _lose_one(tmp_path, cache, 1, signal.SIGSTOP,
+                                   "dist.heartbeat_timeout_s=120", "dist.step_timeout_s=4",
+                                   "dist.save_timeout_s=4")
+  assert status == trainer.EXIT_LOST, err
+  lines = [l for l in err.splitlines() if l.startswith("error: ")]
+  assert len(lines) == 1 and "Traceback" not in err, err
+  assert ("did not finish in" in lines[0] and "dist.save_timeout_s=4" in lines[0]
+          or "no training step finished for" in lines[0] and "dist.step_timeout_s=4" in lines[0]
+          ), lines[0]
+  assert "process 0 stopped without saving" in lines[0]
+  assert took < 20, took
+
+
 @pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGSTOP)],
                          ids=["sigkill-process-1", "sigstop-process-0"])
 def test_a_lost_process_ends_the_other_with_one_line(tmp_path, cache, whole, victim, sig):
@@ -263,8 +284,8 @@ def test_a_step_that_makes_no_progress_ends_the_run(tmp_path, cache):
 
   The peer is stopped while the survivor steps: no periodic checkpoint, and
   the survivor (process 0, which writes the metrics) has recorded batch 3.
-  A save pauses the step watchdog (its time is the disk's), so a peer
-  stopped during one is the heartbeats' to notice, not this test's case.
+  A save stops the step clock (its time is the disk's); a peer stopped
+  during one is dist.save_timeout_s's case (the test before this one).
   """
   status, took, err, _ = _lose_one(
       tmp_path, cache, 1, signal.SIGSTOP, "checkpoint.every=0",

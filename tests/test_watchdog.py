@@ -43,6 +43,48 @@ def test_the_watchdog_fires_only_when_armed_unpaused_and_late():
   assert _watchdog.Watchdog(0, clock=clock).overdue() is None  # 0 = off
 
 
+def test_a_paused_section_has_a_bound_of_its_own():
+  """A save stops the step clock but not its own: a peer hung at a save's barrier ends the run."""
+  clock = _Clock()
+  dog = _watchdog.Watchdog(10, on_timeout=lambda s: None, clock=clock, pause_timeout_s=60)
+  with dog.paused():                     # before the first step: compilation, not bounded
+    clock.now += 1000
+    assert dog.overdue() is None
+  dog.beat()
+  with dog.paused():
+    clock.now += 59
+    with dog.paused():                   # nested: the outer pause's start counts
+      clock.now += 0.5
+      assert dog.overdue() is None
+    clock.now += 1.0
+    assert dog.overdue() == pytest.approx(60.5)
+  assert dog.overdue() is None           # the step clock restarted at the pause's end
+  clock.now += 10.5
+  assert dog.overdue() == pytest.approx(10.5)
+  # 0 leaves a pause unbounded, as before.
+  dog = _watchdog.Watchdog(10, on_timeout=lambda s: None, clock=clock)
+  dog.beat()
+  with dog.paused():
+    clock.now += 10 ** 6
+    assert dog.overdue() is None
+
+
+def test_a_late_pause_is_reported_as_a_save(monkeypatch):
+  """The line names the bound that ran out: dist.save_timeout_s inside a pause."""
+  said = []
+  monkeypatch.setattr(_watchdog, "lost", lambda reason, who=None: said.append(reason))
+  clock = _Clock()
+  dog = _watchdog.Watchdog(10, clock=clock, pause_timeout_s=60)
+  dog.beat()
+  with dog.paused():
+    clock.now += 61
+    dog.on_timeout(dog.overdue())
+  clock.now += 11
+  dog.on_timeout(dog.overdue())
+  assert "did not finish in 61 s (dist.save_timeout_s=60)" in said[0]
+  assert "no training step finished for 11 s (dist.step_timeout_s=10)" in said[-1]
+
+
 def test_the_watchdog_thread_calls_on_timeout_once():
   fired = threading.Event()
   seen = []
@@ -169,7 +211,8 @@ def test_dist_timeouts_are_checked(key):
     config_lib.load(_runs.TINY, [f"dist.{key}=0"])
 
 
-def test_step_timeout_is_checked():
-  assert config_lib.load(_runs.TINY, ["dist.step_timeout_s=0"]).dist.step_timeout_s == 0
-  with pytest.raises(ConfigError, match="^dist.step_timeout_s must be >= 0"):
-    config_lib.load(_runs.TINY, ["dist.step_timeout_s=-1"])
+@pytest.mark.parametrize("key", ["step_timeout_s", "save_timeout_s"])
+def test_step_and_save_timeouts_are_checked(key):
+  assert getattr(config_lib.load(_runs.TINY, [f"dist.{key}=0"]).dist, key) == 0
+  with pytest.raises(ConfigError, match=f"^dist.{key} must be >= 0"):
+    config_lib.load(_runs.TINY, [f"dist.{key}=-1"])
