@@ -12,7 +12,8 @@ asked. What each of those does lives here:
 - `CheckpointPolicy`: when to save, and never the same step twice.
 - (`jaxpipe._watchdog.Watchdog`, which `Report`, `Evaluation` and
   `CheckpointPolicy` keep informed: a run of several processes stops when
-  no step finishes for `dist.step_timeout_s`.)
+  no step finishes for `dist.step_timeout_s`, or a save for
+  `dist.save_timeout_s`.)
 - `Feed`: the next batch placed on the devices while the current step runs.
 - `host_schedule`: the learning rate of every step, read on the host.
 - `Report`: reads each step's metrics (one step behind the dispatch), times

@@ -226,11 +226,12 @@ class DistConfig:
   # still sends heartbeats. Counted from the first finished step (compilation
   # excluded), paused during checkpoint saves and the first evaluation; 0 = never.
   step_timeout_s: int = 600
-  # Seconds a checkpoint save or the first evaluation (which stop the step
-  # clock) may take before the run stops as if a process were lost (exit
-  # 69): a save waits at barriers for every process, and a peer that hangs
-  # there while it still sends heartbeats would hold it forever. Counted, as
-  # the step clock, once the first step has finished; 0 = never.
+  # Seconds the loop may wait in a checkpoint save or a first evaluation
+  # (which stop the step clock) before the run stops as if a process were
+  # lost (exit 69): a save waits at barriers for every process, and a peer
+  # that hangs there while it still sends heartbeats would hold it forever.
+  # Counted, as the step clock, once the first step has finished (a fresh
+  # run's first evaluation comes before it); 0 = never.
   save_timeout_s: int = 3600
   # Several processes on the CPU: gloo's I/O thread idle-class where each
   # core of this process serves a device (jaxpipe.launch.idle_io_thread says

@@ -288,7 +288,7 @@ def test_a_step_that_makes_no_progress_ends_the_run(tmp_path, cache):
   during one is dist.save_timeout_s's case (the test before this one).
   """
   status, took, err, _ = _lose_one(
-      tmp_path, cache, 1, signal.SIGSTOP, "checkpoint.every=0",
+      tmp_path, cache, 1, signal.SIGSTOP, "checkpoint.every=0", "run.steps=1000",
       "dist.heartbeat_timeout_s=120", "dist.step_timeout_s=4",
       ready=lambda run_dir: max(runs.losses(run_dir), default=-1) >= 3)
   _says_lost_in_one_line(err, status, "no training step finished for",

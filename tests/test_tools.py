@@ -679,10 +679,10 @@ def test_bench_train_steps_hardware_row_runs_two_references_at_once(tmp_path, mo
       with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
         f.write("".join(json.dumps({"step": k, "step_time_s": t}) + "\n" for k in range(8)))
 
-    def communicate(self):
+    def poll(self):
       assert len(started) == 2   # both running before either is waited for
       self.returncode = 0
-      return "", ""
+      return 0
 
   monkeypatch.setattr(mod.subprocess, "Popen", FakePopen)
   assert mod.run_hardware(("0", "1"), "byte", 8, str(tmp_path)) == pytest.approx(0.7)
@@ -715,6 +715,37 @@ def test_bench_train_steps_reads_train_py_step_times(tmp_path, monkeypatch):
   assert cmd[:3] == ["taskset", "-c", "0,1"] and "pipeline.stages=2" in cmd
   assert "pipeline.schedule=2bw" in cmd and "model.dim=256" in cmd
   assert seen["env"]["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false"
+
+
+def test_bench_train_steps_hardware_row_stops_the_other_run_when_one_fails(tmp_path, monkeypatch):
+  """One of the two runs fails: the other is killed, and the error names the failed run's line."""
+  mod = _load("bench_train_steps")
+  procs = []
+
+  class FakePopen:
+    def __init__(self, cmd, **kwargs):
+      self.failing = cmd[2] == "1"
+      self.returncode, self.killed = None, False
+      if self.failing:
+        kwargs["stderr"].write("error: out of memory\n")
+        kwargs["stderr"].flush()
+      procs.append(self)
+
+    def poll(self):
+      if self.failing:
+        self.returncode = 2
+      return self.returncode
+
+    def kill(self):
+      self.killed, self.returncode = True, -9
+
+    def wait(self):
+      return self.returncode
+
+  monkeypatch.setattr(mod.subprocess, "Popen", FakePopen)
+  with pytest.raises(RuntimeError, match=r"^train.py none exited 2: error: out of memory$"):
+    mod.run_hardware(("0", "1"), "byte", 8, str(tmp_path))
+  assert procs[0].killed and not procs[1].killed
 
 
 @pytest.mark.slow

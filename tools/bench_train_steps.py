@@ -19,13 +19,15 @@ include compilation); a round's speed-up is the reference's over the
 schedule's. Each round also runs two one-device runs at once, one pinned to
 each core (the hardware row: twice the reference's work in the slower one's
 step time), so that a schedule's speed-up stands beside what the two cores
-give work that shares nothing, measured the same way. It prints a markdown table (each round's speed-up, their median
-and quartiles, the load average) and writes it to --out-md. The runs'
-folders are made in a temporary directory and removed; the tokenised corpus
+give work that shares nothing, measured the same way. It prints a markdown
+table (each round's speed-up, their median and quartiles, the load average)
+and writes it to --out-md. The runs' folders are made in a temporary directory and removed; the tokenised corpus
 and JAX's compilation cache (`run.compile_cache`) are kept there for the
-rounds, so only the first round compiles and a round takes seconds per run:
-a virtual machine's cores change speed over tens of seconds, and many short
-rounds average that out where two long ones draw it twice.
+rounds, so only the first round compiles and later runs take about 20 s
+each (byte vocabulary): a virtual machine's cores change speed over tens of
+seconds, and many short rounds average that out where two long ones draw
+it twice. Each schedule's row also gives its share of the hardware row: the
+median over the rounds of its speed-up over that round's hardware row.
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -96,20 +98,35 @@ def run_hardware(cores: tuple[str, str], tokenizer: str, steps: int, work: str,
   """Two one-device `train.py` runs at once, one pinned to each core: the slower's step time.
 
   What the two cores give two processes that share nothing, run as the
-  schedules run (many steps in a row): the platform's own limit, by the
-  same method.
+  schedules run (many steps in a row), by the same method. If either run
+  fails, the other is stopped before the error is raised.
   """
-  started = []
-  for core in cores:
-    cmd, env, run_dir = _command("none", core, tokenizer, steps, work, extra)
-    started.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True), run_dir))
-  times = []
-  for proc, run_dir in started:
-    out, err = proc.communicate()
-    _check("none", proc.returncode, out, err)
-    times.append(_median_step("none", run_dir))
-  return max(times)
+  started, errors, stopped = [], [], set()
+  try:
+    for core in cores:
+      cmd, env, run_dir = _command("none", core, tokenizer, steps, work, extra)
+      # Output to files: a pipe left unread while the other run is awaited could fill.
+      err = open(run_dir + ".stderr", "w+")  # pylint: disable=consider-using-with
+      started.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                       stderr=err, text=True), run_dir, err))
+    # Until both end, or one fails (the other is then stopped below).
+    while any(p.poll() is None for p, _, _ in started):
+      if any(p.poll() not in (None, 0) for p, _, _ in started):
+        break
+      time.sleep(0.2)
+  finally:
+    for i, (proc, _, err) in enumerate(started):
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        stopped.add(i)
+      err.seek(0)
+      errors.append(err.read())
+      err.close()
+  # The run that failed by itself is the one to report, not the one stopped for it.
+  for i in sorted(range(len(started)), key=lambda i: i in stopped):
+    _check("none", started[i][0].returncode, "", errors[i])
+  return max(_median_step("none", run_dir) for _, run_dir, _ in started)
 
 
 def _median_step(schedule: str, run_dir: str) -> float:
