@@ -50,12 +50,13 @@ __all__ = ["EXIT_LOST", "configure", "lost", "message", "Peers", "watch_peers", 
            "jax_heartbeat_timeout", "Watchdog", "await_loss"]
 
 # A process of the run was lost (or a step made no progress for
-# dist.step_timeout_s, a save for dist.save_timeout_s), and this one stopped without saving: rerun the same
-# command on every process to resume from the newest checkpoint. sysexits.h's
-# EX_UNAVAILABLE ("a service is unavailable"): the peer this process needs is
-# gone. Not 75 (EX_TEMPFAIL, which here promises that a checkpoint of the very
-# step was saved, so nothing is redone), nor 128+N (this process received no
-# signal), and below 128, so no shell or scheduler reads it as a death by one.
+# dist.step_timeout_s, a save for dist.save_timeout_s), and this one stopped
+# without saving: rerun the same command on every process to resume from the
+# newest checkpoint. sysexits.h's EX_UNAVAILABLE ("a service is unavailable"):
+# the peer this process needs is gone. Not 75 (EX_TEMPFAIL, which here promises
+# that a checkpoint of the very step was saved, so nothing is redone), nor 128+N
+# (this process received no signal), and below 128, so no shell or scheduler
+# reads it as a death by one.
 EXIT_LOST = 69
 
 _lock = threading.Lock()

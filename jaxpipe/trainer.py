@@ -61,10 +61,10 @@ EXIT_INTERRUPTED = 75
 # is what it was.
 EXIT_SIGNAL = 128
 # 69 (sysexits' EX_UNAVAILABLE): a process of a multi-process run was lost
-# (killed, stopped, or a step or save made no progress for dist.step_timeout_s or
-# dist.save_timeout_s) and
-# this one stopped at once without saving; rerun the same command on every
-# process to resume from the newest checkpoint. Why 69: jaxpipe._watchdog.
+# (killed, stopped, or a step or save made no progress for dist.step_timeout_s
+# or dist.save_timeout_s) and this one stopped at once without saving; rerun
+# the same command on every process to resume from the newest checkpoint.
+# Why 69: jaxpipe._watchdog.
 EXIT_LOST = _watchdog.EXIT_LOST
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What users see: `train.py`'s own `step_time_s`, two stages on two cores against one device on one.
 
-  python tools/bench_train_steps.py                          # byte vocabulary, 2bw 1f1b gpipe, 6 rounds
+  python tools/bench_train_steps.py          # byte vocabulary, 2bw 1f1b gpipe, 6 rounds
   python tools/bench_train_steps.py --tokenizer gpt2 --rounds 3 --out-md /tmp/train_steps.md
   python tools/bench_train_steps.py --tokenizer gpt2 run.cpu_malloc_arenas=one   # overrides for every run
 
@@ -21,13 +21,14 @@ each core (the hardware row: twice the reference's work in the slower one's
 step time), so that a schedule's speed-up stands beside what the two cores
 give work that shares nothing, measured the same way. It prints a markdown
 table (each round's speed-up, their median and quartiles, the load average)
-and writes it to --out-md. The runs' folders are made in a temporary directory and removed; the tokenised corpus
-and JAX's compilation cache (`run.compile_cache`) are kept there for the
-rounds, so only the first round compiles and later runs take about 20 s
-each (byte vocabulary): a virtual machine's cores change speed over tens of
-seconds, and many short rounds average that out where two long ones draw
-it twice. Each schedule's row also gives its share of the hardware row: the
-median over the rounds of its speed-up over that round's hardware row.
+and writes it to --out-md. The runs' folders are made in a temporary
+directory and removed; the tokenised corpus and JAX's compilation cache
+(`run.compile_cache`) are kept there for the rounds, so only the first round
+compiles and later runs take about 20 s each (byte vocabulary): a virtual
+machine's cores change speed over tens of seconds, and many short rounds
+average that out where two long ones draw it twice. Each schedule's row
+also gives its share of the hardware row: the median over the rounds of its
+speed-up over that round's hardware row.
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -170,7 +171,8 @@ def measure(schedules: tuple[str, ...], tokenizer: str, rounds: int, steps: int,
   for s in (*schedules, "hardware"):
     ratios = (hardware if s == "hardware"
               else [a / b for a, b in zip(times["none"], times[s])])
-    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+    q = (statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1
+         else [ratios[0]] * 3)
     rows.append({"schedule": s, "ref_s": times["none"], "step_s": times[s],
                  "speedups": ratios, "median": statistics.median(ratios),
                  "quartiles": (q[0], q[2]),

@@ -8,8 +8,8 @@ a larger run.steps continues a finished run; --resume refuses to start one
 that has no checkpoint. Exit status: 0 done; 2 bad input (one line on stderr,
 nothing created); 3 stopped on a non-finite loss (nan_policy=stop); 69 a
 process of a multi-process run was lost (or a step hung for
-dist.step_timeout_s, a save for dist.save_timeout_s), stopped without saving (rerun every process to resume
-from the newest checkpoint); 75 stopped by SIGTERM/SIGINT after saving a
+dist.step_timeout_s, a save for dist.save_timeout_s), stopped without saving
+(rerun every process to resume from the newest checkpoint); 75 stopped by SIGTERM/SIGINT after saving a
 checkpoint (rerun to resume); 128+signal stopped at once by a second signal,
 without saving (130 for Ctrl-C).
 """
