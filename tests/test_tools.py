@@ -647,12 +647,22 @@ def test_bench_train_steps_rotates_rounds_and_divides_the_reference(monkeypatch)
   def run_hardware(cores, tokenizer, steps, work, extra=()):
     return run_once("hardware", ",".join(cores), tokenizer, steps, work, extra)
 
+  # The ceiling: (its worker's one-device step, its two devices' step) per round.
+  ceiling = [(0.7, 0.8), (0.65, 0.7)]
+
+  def run_ceiling(cores, tokenizer, steps):
+    calls.append(("ceiling", ",".join(cores)))
+    return ceiling[sum(1 for c, _ in calls if c == "ceiling") - 1]
+
   monkeypatch.setattr(mod, "run_once", run_once)
   monkeypatch.setattr(mod, "run_hardware", run_hardware)
+  monkeypatch.setattr(mod, "run_ceiling", run_ceiling)
   rows = mod.measure(("2bw", "1f1b"), "byte", 2, 8, ("0", "1"), log=lambda _: None,
                      extra=("run.cpu_malloc_arenas=one",))
   assert calls == [("none", "0"), ("2bw", "0,1"), ("1f1b", "0,1"), ("hardware", "0,1"),
-                   ("2bw", "0,1"), ("1f1b", "0,1"), ("hardware", "0,1"), ("none", "0")]
+                   ("ceiling", "0,1"),
+                   ("2bw", "0,1"), ("1f1b", "0,1"), ("hardware", "0,1"), ("ceiling", "0,1"),
+                   ("none", "0")]
   by = {r["schedule"]: r for r in rows}
   assert by["2bw"]["speedups"] == pytest.approx([0.8 / 0.5, 0.6 / 0.4])
   assert by["1f1b"]["median"] == pytest.approx((0.8 / 0.4 + 0.6 / 0.5) / 2)
@@ -660,8 +670,14 @@ def test_bench_train_steps_rotates_rounds_and_divides_the_reference(monkeypatch)
   assert by["hardware"]["speedups"] == pytest.approx([2 * 0.8 / 0.9, 2 * 0.6 / 0.75])
   assert by["2bw"]["of_hardware"] == pytest.approx(
       ((0.8 / 0.5) / (1.6 / 0.9) + (0.6 / 0.4) / (1.2 / 0.75)) / 2)
+  # The ceiling's speed-up is over its own worker's one-device step.
+  assert by["ceiling"]["speedups"] == pytest.approx([2 * 0.7 / 0.8, 2 * 0.65 / 0.7])
+  assert by["ceiling"]["ref_s"] == [0.7, 0.65]
+  assert by["2bw"]["of_ceiling"] == pytest.approx(
+      ((0.8 / 0.5) / (1.4 / 0.8) + (0.6 / 0.4) / (1.3 / 0.7)) / 2)
   table = mod.table(rows, "byte")
   assert "| byte | 2bw | 0.800 / 0.600 | 0.500 / 0.400 | 1.60x / 1.50x | 1.55x |" in table
+  assert "| byte | ceiling (two devices of one process, no collective; " in table
   assert "| byte | hardware (two one-device runs at once) | 0.800 / 0.600 | 0.900 / 0.750 |" in table
 
 
@@ -689,6 +705,39 @@ def test_bench_train_steps_hardware_row_runs_two_references_at_once(tmp_path, mo
   assert [c[:3] for c in started] == [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
   assert all("pipeline.schedule=none" in c and "pipeline.stages=1" in c for c in started)
   assert all(any(a.startswith("run.compile_cache=") for a in c) for c in started)
+
+
+def test_bench_train_steps_ceiling_runs_the_benchmark_workers_in_a_row(monkeypatch):
+  """run_ceiling steps the one-device worker on the first core, then the two-device ceiling
+  on both, each `steps` times, and takes each one's median from step 3 on."""
+  mod = _load("bench_train_steps")
+  made = []
+
+  class FakeWorker:
+    def __init__(self, label, spec, cores):
+      made.append(self)
+      self.label, self.spec, self.cores, self.events = label, spec, cores, []
+      base = 0.6 if label == "none" else 0.7
+      # Steps 0-2 slow (as compilation and warm-up are), then base, base+0.1, base.
+      self.times = iter([5.0, 4.0, 3.0, base, base + 0.1, base])
+
+    def ready(self):
+      self.events.append("ready")
+
+    def step(self):
+      self.events.append("step")
+      return next(self.times)
+
+    def close(self):
+      self.events.append("close")
+
+  monkeypatch.setattr(mod, "_pinned", FakeWorker)
+  assert mod.run_ceiling(("0", "1"), "gpt2", 6) == pytest.approx((0.6, 0.7))
+  assert [(w.label, w.cores) for w in made] == [("none", "0"), ("ceiling", "0,1")]
+  assert [(w.spec["schedule"], w.spec["stages"], w.spec["data"]) for w in made] == [
+      ("none", 1, 1), ("ceiling", 1, 2)]
+  assert all(w.spec["shape"]["vocab"] == 50257 and w.spec["microbatches"] == 8 for w in made)
+  assert all(w.events == ["ready"] + ["step"] * 6 + ["close"] for w in made)
 
 
 def test_bench_train_steps_reads_train_py_step_times(tmp_path, monkeypatch):

@@ -207,6 +207,14 @@ class _Pinned:
       self.proc.wait()
 
 
+def start_worker(label: str, spec: dict[str, Any], cores: str) -> _Pinned:
+  """A worker process (`worker`) of `spec` pinned to `cores`, started (call `ready()`).
+
+  Its `step()` runs one step and returns its seconds; `close()` ends it.
+  """
+  return _Pinned(label, spec, cores)
+
+
 class _Group:
   """Processes that run one configuration together (a stage each); a step is the slowest's."""
 
