@@ -737,6 +737,16 @@ def test_bench_train_steps_ceiling_runs_the_benchmark_workers_in_a_row(monkeypat
   assert [(w.spec["schedule"], w.spec["stages"], w.spec["data"]) for w in made] == [
       ("none", 1, 1), ("ceiling", 1, 2)]
   assert all(w.spec["shape"]["vocab"] == 50257 and w.spec["microbatches"] == 8 for w in made)
+  # The workers' shape is train.py's (SHAPE): batch 16 = 8 microbatches of 2 rows.
+  shape = dict(a.split("=", 1) for a in mod.SHAPE)
+  worker = made[0].spec["shape"]
+  assert (worker["dim"], worker["layers"], worker["heads"], worker["kv_heads"],
+          worker["seq_len"], worker["remat"], worker["stash"]) == (
+              int(shape["model.dim"]), int(shape["model.n_layers"]),
+              int(shape["model.n_heads"]), int(shape["model.n_kv_heads"]),
+              int(shape["data.seq_len"]), shape["model.remat"], shape["pipeline.stash"])
+  assert worker["micro_rows"] * made[0].spec["microbatches"] == int(shape["data.batch_size"])
+  assert made[0].spec["microbatches"] == int(shape["pipeline.microbatches"])
   assert all(w.events == ["ready"] + ["step"] * 6 + ["close"] for w in made)
 
 

@@ -163,7 +163,9 @@ def run_ceiling(cores: tuple[str, str], tokenizer: str, steps: int) -> tuple[flo
   devices runs that step on its own batch, no collective) pinned to both,
   one process each, started and set up as `train.py`'s launcher does. Its
   speed-up, twice the first over the second, is the ceiling the issue's
-  targets scale with where it is below 1.9x.
+  targets scale with where it is below 1.9x. The workers build the
+  benchmark's model of `SHAPE` (AdamW, no clipping), not `train.py`'s
+  config, so the config overrides of the `train.py` runs do not reach them.
   """
   out = []
   for label, spec, where in (("none", _worker_spec("none", 1, 1, tokenizer), cores[0]),
