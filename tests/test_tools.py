@@ -731,7 +731,7 @@ def test_bench_train_steps_ceiling_runs_the_benchmark_workers_in_a_row(monkeypat
     def close(self):
       self.events.append("close")
 
-  monkeypatch.setattr(mod, "_pinned", FakeWorker)
+  monkeypatch.setattr(mod, "start_worker", FakeWorker)
   assert mod.run_ceiling(("0", "1"), "gpt2", 6) == pytest.approx((0.6, 0.7))
   assert [(w.label, w.cores) for w in made] == [("none", "0"), ("ceiling", "0,1")]
   assert [(w.spec["schedule"], w.spec["stages"], w.spec["data"]) for w in made] == [

@@ -42,6 +42,7 @@ Bad input exits with status 2 and one line on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -56,7 +57,9 @@ sys.path.insert(0, ROOT)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench_common import ModelShape
 from bench_report import load as _load
+from bench_two_core import start_worker
 from jaxpipe.cli import Parser
 from jaxpipe.data import BUILTIN_TOKENIZERS
 from jaxpipe.pipeline import PIPELINED
@@ -137,20 +140,12 @@ def run_hardware(cores: tuple[str, str], tokenizer: str, steps: int, work: str,
   return max(_median_step("none", run_dir) for _, run_dir, _ in started)
 
 
-def _pinned(label: str, spec: dict, cores: str):
-  """A pinned worker of the two-core benchmark (`bench_two_core.start_worker`), started."""
-  from bench_two_core import start_worker  # pylint: disable=g-import-not-at-top
-  return start_worker(label, spec, cores)
-
-
 def _worker_spec(schedule: str, stages: int, data: int, tokenizer: str) -> dict:
   """The two-core benchmark's worker spec of `schedule` at train.py's shape (`SHAPE`)."""
-  vocab = 257 if tokenizer == "byte" else 50257
-  shape = {"dim": 256, "layers": 8, "heads": 4, "kv_heads": 2, "seq_len": 64,
-           "micro_rows": 2, "vocab": vocab, "remat": "dots", "stash": "residuals",
-           "head": "auto"}
-  return {"shape": shape, "schedule": schedule, "stages": stages, "data": data,
-          "microbatches": 8}
+  shape = ModelShape(vocab=257 if tokenizer == "byte" else 50257, remat="dots",
+                     stash="residuals")
+  return {"shape": dataclasses.asdict(shape), "schedule": schedule, "stages": stages,
+          "data": data, "microbatches": 8}
 
 
 def run_ceiling(cores: tuple[str, str], tokenizer: str, steps: int) -> tuple[float, float]:
@@ -171,7 +166,7 @@ def run_ceiling(cores: tuple[str, str], tokenizer: str, steps: int) -> tuple[flo
   for label, spec, where in (("none", _worker_spec("none", 1, 1, tokenizer), cores[0]),
                              ("ceiling", _worker_spec("ceiling", 1, 2, tokenizer),
                               ",".join(cores))):
-    worker = _pinned(label, spec, where)
+    worker = start_worker(label, spec, where)
     try:
       worker.ready()
       times = [worker.step() for _ in range(steps)]
