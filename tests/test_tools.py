@@ -846,3 +846,50 @@ def test_benchmark_labels_name_interleaved_chunks_and_its_target():
   assert two_core.target("interleaved v2", 257, None, bubble) is None
   assert common.parse_label("zb1") == ("zb1", 1)
   assert two_core.target("zb1", 257, 1.8, 1 / 25) == pytest.approx(0.93 * 24 / 25 * 1.8)
+
+
+# --- bench_platform ----------------------------------------------------------------
+
+
+def test_bench_platform_runs_each_core_alone_then_both_and_divides():
+  bp = _load("bench_platform")
+  # Per call: (cores asked for) -> seconds per copy, planned so every ratio is known.
+  planned = iter([[1.0], [1.5], [1.25, 2.5],     # round 1: mean alone 1.25, slower copy 2.5
+                  [2.0], [2.0], [1.0, 2.0]])     # round 2: mean alone 2.0, slower copy 2.0
+  calls = []
+
+  def fake_run(cores, work):
+    calls.append((tuple(cores), work))
+    return next(planned)
+
+  rows = bp.measure(2, ("0", "1"), 77, run=fake_run, log=lambda _: None)
+  assert calls == [(("0",), 77), (("1",), 77), (("0", "1"), 77)] * 2
+  assert [r["alone"] for r in rows] == [[1.0, 1.5], [2.0, 2.0]]
+  assert [r["pair"] for r in rows] == [[1.25, 2.5], [1.0, 2.0]]
+  # Twice the round's mean one-core time over the slower copy.
+  assert rows[0]["speedup"] == pytest.approx(2 * 1.25 / 2.5)
+  assert rows[1]["speedup"] == pytest.approx(2 * 2.0 / 2.0)
+  s = bp.summary(rows)
+  assert s["alone"]["min"] == 1.0 and s["alone"]["max"] == 2.0
+  assert s["alone"]["median"] == pytest.approx(1.75)
+  assert s["alone_max_over_min"] == pytest.approx(2.0)
+  assert s["speedup"]["min"] == pytest.approx(1.0) and s["speedup"]["max"] == pytest.approx(2.0)
+  md = bp.table(s, 2, 77)
+  assert "| one core alone, s | 1.000 |" in md
+  assert "| two cores at once, speed-up | 1.00x |" in md
+  assert "up to 2.00 times its fastest run" in md
+
+
+def test_bench_platform_measures_a_real_round(tmp_path):
+  out = tmp_path / "p.md"
+  p = _tool("bench_platform", "--rounds", "1", "--work", "20", "--out-md", str(out))
+  assert p.returncode == 0, p.stderr
+  assert re.search(r"round 1/1 .*alone \d+\.\d+ / \d+\.\d+ s, both at once", p.stdout)
+  row = re.search(r"\| one core alone, s \| ([\d.]+) \|", out.read_text())
+  assert row and float(row.group(1)) > 0
+
+
+@pytest.mark.parametrize("args", [("--rounds", "0"), ("--work", "0"), ("--cores", "0,0"),
+                                  ("--cores", "0"), ("--cores", "0,x"), ("--bogus",)])
+def test_bench_platform_bad_input_is_one_line_and_status_2(args):
+  _one_line_error(_tool("bench_platform", *args))

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""What this machine's cores give, measured alone: a fixed program on one core, on the other, and on both at once.
+
+  python tools/bench_platform.py                 # 25 rounds, about two and a half minutes
+  python tools/bench_platform.py --rounds 60 --out-md /tmp/platform.md
+
+Nothing of jaxpipe runs here. Each round starts the same single-threaded
+program (a NumPy loop of `tanh(a @ b)` on 192 x 192 float32 matrices, one
+BLAS thread, `--work` iterations; it fits a core's L2 cache, so it measures
+the core, not the memory) three times: pinned alone to the first core, then
+alone to the second, then two copies at once, one pinned to each. It prints
+each round, then the spread of the one-core times (the same work, so any
+spread is the machine's: a virtual machine's host may run other guests on
+the same physical cores, or change their clocks) and the two-core speed-up
+per round: twice the round's mean one-core time over the slower of the two
+copies. A pipeline's speed-up over one core is a ratio of two such draws,
+so this spread bounds how closely any single run of the pipeline benchmarks
+can show a target on this machine.
+
+Bad input exits with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# pylint: disable-next=g-import-not-at-top,wrong-import-position
+from jaxpipe.cli import Parser
+
+# The program each core runs: its own seconds on stdout, after NumPy's import.
+PROGRAM = """
+import time
+import numpy as np
+a = np.random.default_rng(0).random((192, 192), dtype=np.float32)
+b = a.copy()
+t = time.perf_counter()
+for _ in range({work}):
+  b = np.tanh(a @ b)
+print(time.perf_counter() - t)
+"""
+# One BLAS thread, whichever BLAS NumPy was built with.
+_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run_pinned(cores: Sequence[str], work: int) -> list[float]:
+  """Seconds each copy of `PROGRAM` took, one copy started per core in `cores`, all at once."""
+  env = dict(os.environ, **_ONE_THREAD)
+  procs = [subprocess.Popen(["taskset", "-c", c, sys.executable, "-c", PROGRAM.format(work=work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+           for c in cores]
+  out = []
+  for p in procs:
+    stdout, stderr = p.communicate()
+    if p.returncode != 0:
+      tail = stderr.strip().splitlines()[-1:] or ["(no output)"]
+      raise RuntimeError(f"the probe exited {p.returncode}: {tail[0]}")
+    out.append(float(stdout))
+  return out
+
+
+def _load() -> str:
+  return f"{os.getloadavg()[0]:.2f}"
+
+
+def measure(rounds: int, cores: tuple[str, str], work: int,
+            run: Callable[[Sequence[str], int], list[float]] = run_pinned,
+            log=print) -> list[dict]:
+  """Per round: {alone: [first core's s, second's], pair: [both at once], speedup, load}."""
+  out = []
+  for i in range(rounds):
+    alone = [run([cores[0]], work)[0], run([cores[1]], work)[0]]
+    pair = run(list(cores), work)
+    r = {"alone": alone, "pair": pair,
+         # Two copies' work in the slower copy's time, against the round's one-core mean.
+         "speedup": 2 * statistics.mean(alone) / max(pair), "load": _load()}
+    out.append(r)
+    log(f"  round {i + 1}/{rounds} {time.strftime('%H:%M:%S')}: alone {alone[0]:.3f} / "
+        f"{alone[1]:.3f} s, both at once {pair[0]:.3f} / {pair[1]:.3f} s, "
+        f"two-core speed-up {r['speedup']:.2f}x (load {r['load']})")
+  return out
+
+
+def _spread(xs: list[float]) -> dict:
+  q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+  return {"min": min(xs), "q1": q[0], "median": q[1], "q3": q[2], "max": max(xs)}
+
+
+def summary(rows: list[dict]) -> dict:
+  """The spread of the one-core times (both cores' runs alone) and of the two-core speed-up."""
+  alone = [t for r in rows for t in r["alone"]]
+  return {"alone": _spread(alone), "alone_max_over_min": max(alone) / min(alone),
+          "speedup": _spread([r["speedup"] for r in rows]),
+          "load": f"{rows[0]['load']}-{rows[-1]['load']}"}
+
+
+def table(s: dict, rounds: int, work: int) -> str:
+  """Markdown: the spreads of `summary`."""
+  a, p = s["alone"], s["speedup"]
+  return "\n".join([
+      f"Fixed single-threaded program ({work} iterations), {rounds} rounds; "
+      f"load {s['load']}",
+      "",
+      "| measure | min | quartile 1 | median | quartile 3 | max |",
+      "|---|---:|---:|---:|---:|---:|",
+      f"| one core alone, s | {a['min']:.3f} | {a['q1']:.3f} | {a['median']:.3f} | "
+      f"{a['q3']:.3f} | {a['max']:.3f} |",
+      f"| two cores at once, speed-up | {p['min']:.2f}x | {p['q1']:.2f}x | {p['median']:.2f}x | "
+      f"{p['q3']:.2f}x | {p['max']:.2f}x |",
+      "",
+      f"The same work alone took up to {s['alone_max_over_min']:.2f} times its fastest run."])
+
+
+def _fail(msg: str) -> None:
+  print(f"bench_platform: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """Parses the command line, runs the rounds, prints and writes the table."""
+  p = Parser(prog="bench_platform", description=__doc__.split("\n")[0])
+  p.add_argument("--rounds", type=int, default=25, help="rounds (default 25)")
+  p.add_argument("--work", type=int, default=10000,
+                 help="iterations of the program (default 10000, about 1.5 s on one core)")
+  p.add_argument("--cores", default="0,1", help="the two cores to pin to (default 0,1)")
+  p.add_argument("--out-md", default=None, help="write the markdown table here")
+  args = p.parse_args(argv)
+  if args.rounds < 1:
+    _fail(f"--rounds must be at least 1, got {args.rounds}")
+  if args.work < 1:
+    _fail(f"--work must be at least 1, got {args.work}")
+  cores = tuple(args.cores.split(","))
+  try:
+    usable = os.sched_getaffinity(0)
+  except AttributeError:
+    usable = set(range(os.cpu_count() or 1))
+  if (len(cores) != 2 or cores[0] == cores[1] or not all(c.isdigit() for c in cores)
+      or not all(int(c) in usable for c in cores)):
+    _fail(f"--cores needs two different cores of {sorted(usable)}, got {args.cores!r}")
+  print(f"load average at start: {_load()}", flush=True)
+  try:
+    rows = measure(args.rounds, cores, args.work)
+  except (RuntimeError, ValueError, OSError) as e:
+    _fail(str(e))
+  out = table(summary(rows), args.rounds, args.work)
+  print(out)
+  if args.out_md:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
+    with open(args.out_md, "w") as f:
+      f.write(out + "\n")
+    print(f"wrote {args.out_md}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
