@@ -34,7 +34,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from bench_common import free_port
+from bench_common import free_port, two_cores
 from jaxpipe.cli import Parser
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -132,12 +132,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.reps < 4:
     print(f"bench_collectives: --reps must be at least 4, got {args.reps}", file=sys.stderr)
     return 2
-  cores = tuple(args.cores.split(","))
-  usable = os.sched_getaffinity(0)
-  if (len(cores) != 2 or cores[0] == cores[1] or not all(c.isdigit() for c in cores)
-      or not all(int(c) in usable for c in cores)):
-    print(f"bench_collectives: --cores needs two different cores of {sorted(usable)}, "
-          f"got {args.cores!r}", file=sys.stderr)
+  try:
+    cores = two_cores(args.cores)
+  except ValueError as e:
+    print(f"bench_collectives: {e}", file=sys.stderr)
     return 2
   load_at_start = load()
   try:

@@ -276,6 +276,22 @@ def write(text: str, path: Optional[str], log) -> None:
     log(f"wrote {path}")
 
 
+def two_cores(spec: str) -> tuple[str, str]:
+  """The two different cores of `spec` ("0,1"), each one this process may run on.
+
+  Raises ValueError with a one-line message otherwise.
+  """
+  cores = tuple(spec.split(","))
+  try:
+    usable = os.sched_getaffinity(0)
+  except AttributeError:
+    usable = set(range(os.cpu_count() or 1))
+  if (len(cores) != 2 or cores[0] == cores[1] or not all(c.isdigit() for c in cores)
+      or not all(int(c) in usable for c in cores)):
+    raise ValueError(f"--cores needs two different cores of {sorted(usable)}, got {spec!r}")
+  return cores[0], cores[1]
+
+
 def free_port() -> int:
   """A TCP port on loopback that nothing listens on now (for a jax.distributed coordinator)."""
   with socket.socket() as s:

@@ -31,8 +31,11 @@ from typing import Callable, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# pylint: disable-next=g-import-not-at-top,wrong-import-position
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from bench_common import two_cores, write
 from jaxpipe.cli import Parser
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 # The program each core runs: its own seconds on stdout, after NumPy's import.
 PROGRAM = """
@@ -135,14 +138,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     _fail(f"--rounds must be at least 1, got {args.rounds}")
   if args.work < 1:
     _fail(f"--work must be at least 1, got {args.work}")
-  cores = tuple(args.cores.split(","))
   try:
-    usable = os.sched_getaffinity(0)
-  except AttributeError:
-    usable = set(range(os.cpu_count() or 1))
-  if (len(cores) != 2 or cores[0] == cores[1] or not all(c.isdigit() for c in cores)
-      or not all(int(c) in usable for c in cores)):
-    _fail(f"--cores needs two different cores of {sorted(usable)}, got {args.cores!r}")
+    cores = two_cores(args.cores)
+  except ValueError as e:
+    _fail(str(e))
   print(f"load average at start: {_load()}", flush=True)
   try:
     rows = measure(args.rounds, cores, args.work)
@@ -150,11 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _fail(str(e))
   out = table(summary(rows), args.rounds, args.work)
   print(out)
-  if args.out_md:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
-    with open(args.out_md, "w") as f:
-      f.write(out + "\n")
-    print(f"wrote {args.out_md}")
+  write(out + "\n", args.out_md, print)
   return 0
 
 

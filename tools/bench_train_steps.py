@@ -57,7 +57,7 @@ sys.path.insert(0, ROOT)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from bench_common import ModelShape
+from bench_common import ModelShape, two_cores, write
 from bench_report import load as _load
 from bench_two_core import start_worker
 from jaxpipe.cli import Parser
@@ -291,14 +291,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.steps < FIRST_TIMED + 2:
     _fail(f"--steps must be at least {FIRST_TIMED + 2} (steps before {FIRST_TIMED} are not "
           f"timed), got {args.steps}")
-  cores = tuple(args.cores.split(","))
   try:
-    usable = os.sched_getaffinity(0)
-  except AttributeError:
-    usable = set(range(os.cpu_count() or 1))
-  if (len(cores) != 2 or cores[0] == cores[1] or not all(c.isdigit() for c in cores)
-      or not all(int(c) in usable for c in cores)):
-    _fail(f"--cores needs two different cores of {sorted(usable)}, got {args.cores!r}")
+    cores = two_cores(args.cores)
+  except ValueError as e:
+    _fail(str(e))
   t0 = time.time()
   print(f"load average at start: {_load()}", flush=True)
   try:
@@ -310,11 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
          f"{args.rounds} rounds; overrides: {' '.join(args.overrides) or 'none'}; "
          f"wall {time.time() - t0:.0f} s\n\n" + table(rows, args.tokenizer))
   print(out)
-  if args.out_md:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
-    with open(args.out_md, "w") as f:
-      f.write(out + "\n")
-    print(f"wrote {args.out_md}")
+  write(out + "\n", args.out_md, print)
   return 0
 
 
