@@ -26,6 +26,11 @@ microsecond of each device in a step falls in exactly one of:
 - `host gap`: between the end of the previous step on every device and the
   first operation of this one (the host preparing and dispatching it).
 
+Beside the time, `account` counts each device's collectives per step by
+kind, with their bytes (`hlo_transfers`): what a schedule moves point to
+point (`collective-permute`) and in collectives, as executed (a collective
+under a branch not taken is not counted).
+
 The parts of a device add up to the interval between two steps'
 completions, the same interval the trainer reports as `step_time_s`;
 `account` also returns that interval as the host measured it, so a reader
@@ -50,7 +55,8 @@ import statistics
 import time
 from typing import Any, Callable, Iterable, Optional
 
-__all__ = ["COLLECTIVES", "hlo_ops", "read_trace", "account", "profile_steps", "summarise"]
+__all__ = ["COLLECTIVES", "hlo_ops", "hlo_transfers", "read_trace", "account", "profile_steps",
+           "summarise"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
 # Control flow: its events span the operations inside it, which are counted instead.
@@ -77,6 +83,60 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
     phases = _PHASE.findall(meta.group(1)) if meta else []
     out[name] = (opcode, phases[0] if phases else "other")
   return out
+
+
+_ARRAY = re.compile(r"\b(pred|[suf](?:8|16|32|64)|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+_PAIRS = re.compile(r"source_target_pairs=\{([^=]*)\}")
+
+
+def _dtype_bytes(dtype: str) -> int:
+  if dtype in _DTYPE_BYTES:
+    return _DTYPE_BYTES[dtype]
+  if dtype.startswith("f8"):
+    return 1
+  return int(dtype[1:]) // 8
+
+
+def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset[int]]]]:
+  """{instruction name: (kind, bytes, sources)} of each collective of a compiled module.
+
+  `kind` is the collective's opcode without `-start`; `bytes` the size of
+  its result (all of a tuple's arrays): for a `collective-permute` what each
+  sending device sends, for the others what each device ends up holding.
+  `sources` is the set of devices (partitions) a `collective-permute` sends
+  from, None for the other kinds (every device takes part). A `-done` half
+  of an asynchronous collective is left out, so that each counts once.
+  """
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, opcode = m.groups()
+    if opcode.endswith("-done") or _base_opcode(opcode) not in COLLECTIVES:
+      continue
+    result = line[line.index("=") + 1:line.index(f"{opcode}(")]
+    arrays = _ARRAY.findall(result)
+    if opcode in ("collective-permute-start", "all-gather-start"):
+      # Their result is (operands, results, then u32[] contexts): the results alone.
+      arrays = [a for a in arrays if a != ("u32", "")]
+      arrays = arrays[len(arrays) // 2:]
+    size = sum(_dtype_bytes(t) * _elements(dims) for t, dims in arrays)
+    sources = None
+    pairs = _PAIRS.search(line)
+    if _base_opcode(opcode) == "collective-permute" and pairs:
+      sources = frozenset(int(a) for a, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+    out[name] = (_base_opcode(opcode), size, sources)
+  return out
+
+
+def _elements(dims: str) -> int:
+  n = 1
+  for d in dims.split(","):
+    if d:
+      n *= int(d)
+  return n
 
 
 def _base_opcode(opcode: str) -> str:
@@ -207,6 +267,28 @@ def _device_timeline(ops: list[dict[str, Any]], info: dict[str, tuple[str, str]]
   return pieces
 
 
+def _transfers(ops: list[dict[str, Any]], sizes: dict[str, tuple[str, int, Any]],
+               device: int) -> dict[str, dict[str, float]]:
+  """{kind: {"count", "bytes"}} of the collectives one device ran in a step.
+
+  A collective-permute counts where the device is one of its sources (the
+  devices' ordinals taken as the program's partitions, as on a mesh built
+  from `jax.devices()` in order).
+  """
+  out: dict[str, dict[str, float]] = {}
+  for e in ops:
+    found = sizes.get(e["args"]["hlo_op"])
+    if found is None:
+      continue
+    kind, size, sources = found
+    if sources is not None and device not in sources:
+      continue
+    acc = out.setdefault(kind, {"count": 0, "bytes": 0})
+    acc["count"] += 1
+    acc["bytes"] += size
+  return out
+
+
 def account(events: list[dict[str, Any]], hlo_text: str,
             completions: Optional[list[float]] = None) -> dict[str, Any]:
   """Each step's time per device and part, from a trace of consecutive steps.
@@ -220,12 +302,14 @@ def account(events: list[dict[str, Any]], hlo_text: str,
 
   Returns:
     {"steps": [{"span_us": ..., "host_gap_us": ..., "interval_us": ...,
-    "measured_us": ..., "devices": {ordinal: {part: microseconds}}}], ...}:
+    "measured_us": ..., "devices": {ordinal: {part: microseconds}},
+    "transfers": {ordinal: {kind: {"count": n, "bytes": b}}}}], ...}:
     one entry per step after the first traced one (whose gap to its
     predecessor is unknown). A device's parts add up to interval_us =
     host_gap_us + span_us.
   """
   info = hlo_ops(hlo_text)
+  sizes = hlo_transfers(hlo_text)
   waits = _waits(events)
   events = _completed(events)
   runs: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
@@ -245,8 +329,9 @@ def account(events: list[dict[str, Any]], hlo_text: str,
       by_device: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
       for e in ops:
         by_device[int(e["args"]["device_ordinal"])].append(e)
-      devices = {}
+      devices, transfers = {}, {}
       for d, dev_ops in sorted(by_device.items()):
+        transfers[d] = _transfers(dev_ops, sizes, d)
         parts: dict[str, float] = collections.Counter()
         busy = 0.0
         for lo, hi, part in _device_timeline(dev_ops, info, waits):
@@ -256,7 +341,7 @@ def account(events: list[dict[str, Any]], hlo_text: str,
         parts["host gap"] += start - prev_end
         devices[d] = dict(parts)
       step = {"span_us": end - start, "host_gap_us": start - prev_end,
-              "interval_us": end - prev_end, "devices": devices}
+              "interval_us": end - prev_end, "devices": devices, "transfers": transfers}
       if completions is not None and n < len(completions):
         step["measured_us"] = (completions[n] - completions[n - 1]) * 1e6
       steps.append(step)
@@ -274,13 +359,14 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
   host's clock over the same steps, per step: the first completion to the
   last, divided by the steps, so a late wake-up of the host counts once, not
   once per step. `median_interval_us` is the median step's interval, for
-  the spread; `steps` is how many steps are accounted.
+  the spread; `steps` is how many steps are accounted. `transfers`: each
+  device's collectives per step by kind, count and bytes (their means).
   """
   steps = result["steps"]
   if not steps:
     return {"steps": 0, "interval_us": float("nan"), "median_interval_us": float("nan"),
             "measured_us": float("nan"), "span_us": float("nan"),
-            "host_gap_us": float("nan"), "devices": {}}
+            "host_gap_us": float("nan"), "devices": {}, "transfers": {}}
   n = len(steps)
   mean = lambda key: sum(s[key] for s in steps) / n
   measured = [s["measured_us"] for s in steps if "measured_us" in s]
@@ -298,7 +384,20 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
       "span_us": mean("span_us"),
       "host_gap_us": mean("host_gap_us"),
       "devices": {d: dict(parts) for d, parts in sorted(devices.items())},
+      "transfers": _mean_transfers(steps),
   }
+
+
+def _mean_transfers(steps: list[dict[str, Any]]) -> dict[Any, dict[str, dict[str, float]]]:
+  """{device: {kind: {"count", "bytes"}}}, each the mean per step."""
+  out: dict[Any, dict[str, dict[str, float]]] = {}
+  for s in steps:
+    for d, kinds in s.get("transfers", {}).items():
+      for kind, v in kinds.items():
+        acc = out.setdefault(d, {}).setdefault(kind, {"count": 0.0, "bytes": 0.0})
+        acc["count"] += v["count"] / len(steps)
+        acc["bytes"] += v["bytes"] / len(steps)
+  return {d: out[d] for d in sorted(out)}
 
 
 def profile_steps(step: Callable[[], Any], ready: Callable[[Any], Any], num_steps: int,

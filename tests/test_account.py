@@ -47,6 +47,25 @@ def test_hlo_ops_name_each_instructions_opcode_and_outermost_phase():
   assert ops["while.5"] == ("while", "other") and ops["copy.6"] == ("copy", "other")
 
 
+def test_hlo_transfers_size_each_collective_and_name_a_permutes_senders():
+  sizes = account.hlo_transfers(HLO)
+  assert sizes == {"all-reduce.2": ("all-reduce", 16, None),
+                   "collective-permute.4": ("collective-permute", 16, frozenset({0, 1}))}
+  more = account.hlo_transfers("""
+  %cp.1 = bf16[2,3]{1,0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,2}}
+  %ar.2 = (f32[2,2]{1,0}, s32[]) all-reduce(%a, %b), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  %cps.3 = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%y), channel_id=3, source_target_pairs={{2,0}}
+  %cpd.4 = f32[8]{0} collective-permute-done(%cps.3)
+  %ag.5 = pred[4]{0} all-gather(%p), channel_id=4, dimensions={0}
+  %add.6 = f32[4]{0} add(%q, %q)
+""")
+  assert more == {"cp.1": ("collective-permute", 12, frozenset({0, 1})),
+                  "ar.2": ("all-reduce", 20, None),
+                  # The asynchronous start's results alone; its done is not counted again.
+                  "cps.3": ("collective-permute", 32, frozenset({2})),
+                  "ag.5": ("all-gather", 4, None)}
+
+
 def test_account_adds_up_and_splits_collectives_into_moving_and_waiting():
   events = []
   # Step "a" (the first traced: only its end counts) and step "b", two devices.
@@ -78,7 +97,13 @@ def test_account_adds_up_and_splits_collectives_into_moving_and_waiting():
                   "send collective": 20, "idle": 10, "host gap": 50}
   for parts in (dev0, dev1):
     assert sum(parts.values()) == step["interval_us"]
+  # Step b ran one all-reduce and one permute on each device, 16 bytes each;
+  # the container and step a's copy are not collectives.
+  once = {"count": 1, "bytes": 16}
+  assert step["transfers"] == {0: {"all-reduce": once, "collective-permute": once},
+                               1: {"all-reduce": once, "collective-permute": once}}
   summary = account.summarise(result)
+  assert summary["transfers"][1]["collective-permute"] == {"count": 1.0, "bytes": 16.0}
   assert summary["devices"][0]["backward"] == 60 and summary["interval_us"] == 250
   assert account.parts_in_order(dev0)[:2] == ["forward", "head collective"]
   assert account.parts_in_order(dev0)[-2:] == ["idle", "host gap"]
@@ -221,3 +246,49 @@ def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
   # (a CI run saw 10.8 ms traced against 6.4 ms measured for one step on a busy
   # machine), but over the run those delays cancel except at its two ends.
   assert summary["interval_us"] == pytest.approx(summary["measured_us"], rel=0.5)
+
+
+@pytest.mark.parametrize("schedule,v", [("2bw", 1), ("interleaved", 2)])
+def test_a_traced_step_sends_what_its_ticks_send(tmp_path, schedule, v):
+  """The bytes a real step's collective-permutes carry, counted from its trace.
+
+  2bw's are the planner's transfers (`facts(...).transfers` activations
+  forward and as many cotangents back, each one microbatch's activation):
+  all its ticks are full. Interleaved, lockstep on a ring, sends in each of
+  a device's forward and backward slots, filled or not: vM+S-1 of each per
+  device (its ticks less the vS-1 backward-only ones), which is more than the
+  planner's. Every device joins each all-reduce alike.
+  """
+  from tests import _pipeline_util as util  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import facts, make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  m, s = 4, 2
+  kw = {"virtual_stages": v} if v > 1 else {}
+  sch = make_schedule(schedule, util.stage_fns(), util.optimizer("adamw"), make_mesh(s, 1), m,
+                      stash="residuals", **kw)
+  state = [sch.init(jax.tree.map(jnp.asarray, util.initial_params()), (m, util.ROWS, util.SEQ))]
+  tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in util.batches(m)[0])
+  compiled = sch.lower_step(state[0], tok, tgt).compile()
+
+  def step():
+    state[0], met = compiled(state[0], tok, tgt)
+    return met
+
+  jax.block_until_ready(step())
+  done = account.profile_steps(step, jax.block_until_ready, 4, str(tmp_path))
+  result = account.account(account.read_trace(str(tmp_path)), compiled.as_text(), done)
+  activation = util.ROWS * util.SEQ * util.CONFIG.dim * 4   # float32
+  f = facts(schedule, s, m, v)
+  if schedule == "2bw":
+    want = 2 * f.transfers
+  else:
+    assert f.ticks == v * (m + s) + s - 2
+    want = s * 2 * (f.ticks - (v * s - 1))
+    assert want > 2 * f.transfers
+  assert len(result["steps"]) == 3
+  for st in result["steps"]:
+    sent = sum(st["transfers"][d]["collective-permute"]["bytes"] for d in (0, 1))
+    assert sent == want * activation
+    assert st["transfers"][0]["all-reduce"] == st["transfers"][1]["all-reduce"]
+  summary = account.summarise(result)
+  assert sum(summary["transfers"][d]["collective-permute"]["bytes"]
+             for d in (0, 1)) == want * activation

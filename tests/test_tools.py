@@ -212,8 +212,13 @@ def test_bench_tiny_run_times_every_schedule():
   bench = _load("bench_pipeline")
   shape = bench.ModelShape(dim=32, layers=2, heads=2, kv_heads=1, seq_len=16, micro_rows=2)
   rows = bench.measure(shape, 2, 2, warmup=1, repeats=1, schedules=("none", "1f1b", "2bw"),
-                       log=lambda _: None)
+                       account=2, log=lambda _: None)
   assert [r["schedule"] for r in rows] == ["none", "1f1b", "2bw"]
+  # 2bw's ticks are all full: M(S-1) activations forward, as many cotangents back.
+  sent = rows[2]["account"]["transfers"]
+  activation = 2 * 16 * 32 * 4
+  assert sum(sent[d]["collective-permute"]["bytes"] for d in (0, 1)) == 2 * 2 * activation
+  assert "| 2bw | 1 |" in bench.account_tables({"2bw": rows[2]["account"]})
   for r in rows:
     assert math.isfinite(r["step_s"]) and r["step_s"] > 0, r
     assert math.isfinite(r["cpu_s"]) and r["cpu_s"] > 0, r
@@ -369,6 +374,8 @@ def test_bench_malloc_bad_input_is_one_line_and_status_2(args):
     ("--stages", "3", "--layers", "8"),            # layers not divisible by stages
     ("--repeats", "0",),
     ("--compile-m", "8,x"),
+    ("--account", "1"),                            # the first traced step has no gap
+    ("--sweep", "--account", "2"),
 ])
 def test_bench_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_pipeline", *args))
@@ -893,3 +900,20 @@ def test_bench_platform_measures_a_real_round(tmp_path):
                                   ("--cores", "0"), ("--cores", "0,x"), ("--bogus",)])
 def test_bench_platform_bad_input_is_one_line_and_status_2(args):
   _one_line_error(_tool("bench_platform", *args))
+
+
+def test_transfers_table_gives_each_kind_per_device():
+  report = _load("bench_report")
+  accounts = {
+      "2bw": {"transfers": {0: {"collective-permute": {"count": 8, "bytes": 8 * 1024},
+                                "all-reduce": {"count": 4, "bytes": 2048}},
+                            1: {"all-reduce": {"count": 4, "bytes": 2048}}}},
+      # As a child process's JSON gives it back: device keys as strings.
+      "1f1b": {"transfers": {"1": {"collective-permute": {"count": 2.5, "bytes": 3 * 1024}},
+                             "0": {}}}}
+  md = report.transfers_table(accounts)
+  assert "| configuration | device | all-reduce | collective-permute |" in md
+  assert "| 2bw | 0 | 4 / 2.0 | 8 / 8.0 |" in md
+  assert "| 2bw | 1 | 4 / 2.0 | 0 |" in md
+  # Devices in order, whatever their keys' type.
+  assert md.index("| 1f1b | 0 | 0 | 0 |") < md.index("| 1f1b | 1 | 0 | 2.5 / 3.0 |")

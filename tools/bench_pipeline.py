@@ -3,6 +3,7 @@
 
   python tools/bench_pipeline.py                       # S=4, M=8: the targets' run
   python tools/bench_pipeline.py --repeats 7 --out-md /tmp/bench.md
+  python tools/bench_pipeline.py --schedules 1f1b,"interleaved v2",zb1 --account 3 --no-compile-sweep
   python tools/bench_pipeline.py --sweep --out-md /tmp/sweep.md --out-png /tmp/bench_sweep.png
   python tools/bench_pipeline.py --two-core --remat dots --account 8 --out-md /tmp/two_core.md
 
@@ -21,6 +22,11 @@ global batch as M microbatches of gradient accumulation), it measures:
   outputs aliased to donated arguments, and temporaries);
 - the steady-state bubble of each schedule, counted from the engine's
   timetable (`jaxpipe.pipeline.timetable`), the same cells the visualiser draws.
+
+With --account N, each schedule then runs N steps under the profiler, and
+the report gains where they spent their time per device and phase and the
+collectives each device ran per step (count and bytes, point to point and
+in collectives; `jaxpipe.account`).
 
 It prints markdown tables and the project's targets with PASS/MISS, and writes
 them to --out-md; --sweep runs S in {2, 4} x M in {4, 8, 16} and draws step
@@ -65,8 +71,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_common import (LABELS, SCHEDULES, ModelShape, Runner, emulate_devices, memory_row,
                           parse_label, refusal, write)
-from bench_report import (compile_table, draw_sweep, load, machine, memory_table, step_table,
-                          sweep_table, target_table)
+from bench_report import (account_tables, compile_table, draw_sweep, load, machine,
+                          memory_table, step_table, sweep_table, target_table)
 from jaxpipe.cli import Parser
 from jaxpipe.config import HEAD_CHOICES
 from jaxpipe.model import REMAT_POLICIES
@@ -116,9 +122,13 @@ def ticks(schedule: str, num_stages: int, num_microbatches: int) -> float:
 
 
 def measure(shape: ModelShape, num_stages: int, num_microbatches: int, *, warmup: int,
-            repeats: int, schedules: Sequence[str] = LABELS,
+            repeats: int, schedules: Sequence[str] = LABELS, account: int = 0,
             log=print) -> list[dict[str, Any]]:
-  """Compiles every schedule (`LABELS`), then times them in round-robin; one dict per schedule."""
+  """Compiles every schedule (`LABELS`), then times them in round-robin; one dict per schedule.
+
+  With `account` > 0, each schedule then runs that many steps under the
+  profiler, and its row gains their account (`Runner.account`).
+  """
   runners, rows = [], []
   for name in schedules:
     row: dict[str, Any] = {"schedule": name, "stages": num_stages, "microbatches": num_microbatches,
@@ -148,6 +158,8 @@ def measure(shape: ModelShape, num_stages: int, num_microbatches: int, *, warmup
                step_max_s=max(times[r.name]), times=times[r.name],
                cpu_s=statistics.median(cpu[r.name]),
                cores=sum(cpu[r.name]) / sum(times[r.name]))
+    if account:
+      row["account"] = r.account(account)
   return rows
 
 
@@ -283,6 +295,11 @@ def _check(args, shape: ModelShape) -> None:
     return
   if args.instances is not None:
     raise ValueError("--instances splits the rounds of --two-core; add --two-core or drop it")
+  if args.account < 0 or args.account == 1:
+    raise ValueError(f"--account must be 0 (off) or >= 2 steps (the first traced step has "
+                     f"no predecessor to measure its gap from), got {args.account}")
+  if args.account and args.sweep:
+    raise ValueError("--account traces the schedules of one shape; drop --sweep or --account")
   if args.repeats < 1 or args.warmup < 1:
     raise ValueError("--repeats and --warmup must be >= 1 (the first run of a program "
                      "pays for allocations)")
@@ -353,9 +370,9 @@ def _parser() -> Parser:
                       help="two-core: schedules to also run as two jax.distributed processes, "
                            "a stage each ('' for none; default 2bw,1f1b)")
   parser.add_argument("--account", type=int, default=0,
-                      help="two-core: afterwards trace this many steps of each configuration "
-                           "and account for their time by phase (the last set of processes; "
-                           "default 0: off)")
+                      help="afterwards trace this many steps of each configuration and "
+                           "account for their time by phase and their collectives (two-core: "
+                           "the last set of processes; default 0: off)")
   parser.add_argument("--cores", default="0,1",
                       help="two-core: the two CPU cores to pin to (default 0,1)")
   parser.add_argument("--xla-flags", default="",
@@ -383,7 +400,7 @@ def _sections(args, shape: ModelShape, log) -> tuple[list[tuple[str, str]], list
                      f"{shape.micro_rows} sequences)", sweep_table(rows)))
     return sections, rows, compile_rows
   rows = measure(shape, args.stages, args.microbatches, warmup=args.warmup,
-                 repeats=args.repeats, schedules=_labels(args), log=log)
+                 repeats=args.repeats, schedules=_labels(args), account=args.account, log=log)
   if not args.no_compile_sweep and args.compile_m:
     done = next(r for r in rows if r["schedule"] == "2bw")
     compile_rows = compile_vs_m(shape, args.stages, args.compile_m, done=done, log=log)
@@ -396,6 +413,10 @@ def _sections(args, shape: ModelShape, log) -> tuple[list[tuple[str, str]], list
   if compile_rows:
     sections.append((f"2bw compile time against M (S={s_})", compile_table(compile_rows)))
   sections.append(("Targets", target_table(targets(rows, compile_rows))))
+  accounts = {r["schedule"]: r["account"] for r in rows if "account" in r}
+  if accounts:
+    sections.append((f"Where each step's time went, ms per step ({args.account} traced steps, "
+                     "the emulated devices sharing the cores)", account_tables(accounts)))
   return sections, rows, compile_rows
 
 

@@ -101,7 +101,28 @@ def account_tables(accounts: dict[str, Any]) -> str:
                  "ll" + "r" * (len(_GROUPS) + 6), main)
   second = _table(["configuration", "device",
                    *(f"{p} (moving / waiting)" for p in phases)], "ll" + "r" * len(phases), coll)
-  return first + "\n\nCollectives by phase, ms per step (moving data / waiting):\n\n" + second
+  return (first + "\n\nCollectives by phase, ms per step (moving data / waiting):\n\n" + second
+          + "\n\n" + transfers_table(accounts))
+
+
+def transfers_table(accounts: dict[str, Any]) -> str:
+  """Markdown: each configuration's collectives per device and step, by kind, as executed.
+
+  Count / KiB: for `collective-permute` what the device sent (point to
+  point), for the other kinds the size of their result on the device
+  (`jaxpipe.account.hlo_transfers`); means over the traced steps.
+  """
+  kinds = sorted({k for acc in accounts.values()
+                  for per in acc.get("transfers", {}).values() for k in per})
+  lines = []
+  for label, acc in accounts.items():
+    for device, per in sorted(acc.get("transfers", {}).items(), key=lambda kv: int(kv[0])):
+      cells = [f"{per[k]['count']:g} / {per[k]['bytes'] / 1024:.1f}" if k in per else "0"
+               for k in kinds]
+      lines.append(f"| {label} | {device} | " + " | ".join(cells) + " |")
+  return ("Collectives per step as executed, count / KiB (collective-permute: sent by the "
+          "device; the others: their result on it):\n\n"
+          + _table(["configuration", "device", *kinds], "ll" + "r" * len(kinds), lines))
 
 
 def _mib(n: int) -> str:
