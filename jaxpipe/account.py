@@ -55,8 +55,8 @@ import statistics
 import time
 from typing import Any, Callable, Iterable, Optional
 
-__all__ = ["COLLECTIVES", "hlo_ops", "hlo_transfers", "read_trace", "account", "profile_steps",
-           "summarise"]
+__all__ = ["COLLECTIVES", "hlo_ops", "hlo_transfers", "read_trace", "account", "partitions_of",
+           "profile_steps", "summarise"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
 # Control flow: its events span the operations inside it, which are counted instead.
@@ -85,17 +85,17 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
   return out
 
 
-_ARRAY = re.compile(r"\b(pred|[suf](?:8|16|32|64)|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+# An array in a shape: its element type and dimensions (f32[2,64,256], pred[], s4[8]).
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _PAIRS = re.compile(r"source_target_pairs=\{([^=]*)\}")
 
 
-def _dtype_bytes(dtype: str) -> int:
-  if dtype in _DTYPE_BYTES:
-    return _DTYPE_BYTES[dtype]
-  if dtype.startswith("f8"):
-    return 1
-  return int(dtype[1:]) // 8
+def _dtype_bits(dtype: str) -> int:
+  """Bits per element of an HLO element type: the width its name carries (f8e4m3fn: 8)."""
+  if dtype == "pred":
+    return 8
+  m = re.match(r"[a-z]+(\d+)", dtype)
+  return int(m.group(1)) if m else 0   # token[]: no data
 
 
 def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset[int]]]]:
@@ -106,7 +106,10 @@ def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset
   sending device sends, for the others what each device ends up holding.
   `sources` is the set of devices (partitions) a `collective-permute` sends
   from, None for the other kinds (every device takes part). A `-done` half
-  of an asynchronous collective is left out, so that each counts once.
+  of an asynchronous collective is left out, so that each counts once; a
+  collective wrapped in a generic `async-start` (as a GPU compile may wrap
+  all-to-all or reduce-scatter) is not read (XLA's CPU compile runs
+  collectives synchronously).
   """
   out = {}
   for line in hlo_text.splitlines():
@@ -120,9 +123,10 @@ def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset
     arrays = _ARRAY.findall(result)
     if opcode in ("collective-permute-start", "all-gather-start"):
       # Their result is (operands, results, then u32[] contexts): the results alone.
-      arrays = [a for a in arrays if a != ("u32", "")]
+      while len(arrays) > 2 and arrays[-1] == ("u32", ""):
+        arrays.pop()
       arrays = arrays[len(arrays) // 2:]
-    size = sum(_dtype_bytes(t) * _elements(dims) for t, dims in arrays)
+    size = sum(-(-_dtype_bits(t) * _elements(dims) // 8) for t, dims in arrays)
     sources = None
     pairs = _PAIRS.search(line)
     if _base_opcode(opcode) == "collective-permute" and pairs:
@@ -268,12 +272,11 @@ def _device_timeline(ops: list[dict[str, Any]], info: dict[str, tuple[str, str]]
 
 
 def _transfers(ops: list[dict[str, Any]], sizes: dict[str, tuple[str, int, Any]],
-               device: int) -> dict[str, dict[str, float]]:
+               partition: int) -> dict[str, dict[str, float]]:
   """{kind: {"count", "bytes"}} of the collectives one device ran in a step.
 
-  A collective-permute counts where the device is one of its sources (the
-  devices' ordinals taken as the program's partitions, as on a mesh built
-  from `jax.devices()` in order).
+  A collective-permute counts where the device's `partition` (its place in
+  the program's mesh) is one of its sources.
   """
   out: dict[str, dict[str, float]] = {}
   for e in ops:
@@ -281,7 +284,7 @@ def _transfers(ops: list[dict[str, Any]], sizes: dict[str, tuple[str, int, Any]]
     if found is None:
       continue
     kind, size, sources = found
-    if sources is not None and device not in sources:
+    if sources is not None and partition not in sources:
       continue
     acc = out.setdefault(kind, {"count": 0, "bytes": 0})
     acc["count"] += 1
@@ -290,7 +293,8 @@ def _transfers(ops: list[dict[str, Any]], sizes: dict[str, tuple[str, int, Any]]
 
 
 def account(events: list[dict[str, Any]], hlo_text: str,
-            completions: Optional[list[float]] = None) -> dict[str, Any]:
+            completions: Optional[list[float]] = None,
+            partitions: Optional[dict[int, int]] = None) -> dict[str, Any]:
   """Each step's time per device and part, from a trace of consecutive steps.
 
   Args:
@@ -299,6 +303,10 @@ def account(events: list[dict[str, Any]], hlo_text: str,
       each operation's opcode and phase.
     completions: the host's clock (seconds) when each traced step's results
       were ready, for the measured interval beside the trace's.
+    partitions: {device ordinal in the trace: its place in the program's
+      mesh}, for the senders of a collective-permute; by default each
+      ordinal is its own place (one process, a mesh of `jax.devices()` in
+      order). `partitions_of(mesh)` gives it for any mesh.
 
   Returns:
     {"steps": [{"span_us": ..., "host_gap_us": ..., "interval_us": ...,
@@ -331,7 +339,7 @@ def account(events: list[dict[str, Any]], hlo_text: str,
         by_device[int(e["args"]["device_ordinal"])].append(e)
       devices, transfers = {}, {}
       for d, dev_ops in sorted(by_device.items()):
-        transfers[d] = _transfers(dev_ops, sizes, d)
+        transfers[d] = _transfers(dev_ops, sizes, (partitions or {}).get(d, d))
         parts: dict[str, float] = collections.Counter()
         busy = 0.0
         for lo, hi, part in _device_timeline(dev_ops, info, waits):
@@ -347,6 +355,22 @@ def account(events: list[dict[str, Any]], hlo_text: str,
       steps.append(step)
     prev_end = end
   return {"steps": steps}
+
+
+def partitions_of(mesh: Any) -> dict[int, int]:
+  """{this process's device, as a trace names it: its place in `mesh`'s devices}.
+
+  XLA's CPU trace names a device by its id (2048 for the device of a
+  second `jax.distributed` process here); the local hardware id is mapped
+  too, for a runtime that names it so.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  place = {d.id: i for i, d in enumerate(mesh.devices.flat)}
+  out = {d.id: place[d.id] for d in jax.local_devices() if d.id in place}
+  for d in jax.local_devices():
+    if d.id in place:
+      out.setdefault(d.local_hardware_id, place[d.id])
+  return out
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:

@@ -58,12 +58,18 @@ def test_hlo_transfers_size_each_collective_and_name_a_permutes_senders():
   %cpd.4 = f32[8]{0} collective-permute-done(%cps.3)
   %ag.5 = pred[4]{0} all-gather(%p), channel_id=4, dimensions={0}
   %add.6 = f32[4]{0} add(%q, %q)
+  %cps.7 = (u32[3]{0}, u32[3]{0}, u32[], u32[]) collective-permute-start(%z), channel_id=5, source_target_pairs={{0,1}}
+  %ar.8 = (s4[6]{0}, f8e4m3fn[2]{0}, u32[]) all-reduce(%c, %d, %e), channel_id=6, to_apply=%add
 """)
   assert more == {"cp.1": ("collective-permute", 12, frozenset({0, 1})),
                   "ar.2": ("all-reduce", 20, None),
                   # The asynchronous start's results alone; its done is not counted again.
                   "cps.3": ("collective-permute", 32, frozenset({2})),
-                  "ag.5": ("all-gather", 4, None)}
+                  "ag.5": ("all-gather", 4, None),
+                  # u32 data is data: only the trailing contexts are dropped.
+                  "cps.7": ("collective-permute", 12, frozenset({0})),
+                  # Sub-byte and 8-bit floats by their width; a u32 scalar is 4 bytes.
+                  "ar.8": ("all-reduce", 3 + 2 + 4, None)}
 
 
 def test_account_adds_up_and_splits_collectives_into_moving_and_waiting():
@@ -104,6 +110,13 @@ def test_account_adds_up_and_splits_collectives_into_moving_and_waiting():
                                1: {"all-reduce": once, "collective-permute": once}}
   summary = account.summarise(result)
   assert summary["transfers"][1]["collective-permute"] == {"count": 1.0, "bytes": 16.0}
+  # Devices named by their place in the mesh: a permute from place 1 only
+  # counts on the device at that place, whatever its ordinal in the trace.
+  one_way = HLO.replace("source_target_pairs={{0,1},{1,0}}", "source_target_pairs={{1,0}}")
+  swapped = account.account(events, one_way, partitions={0: 1, 1: 0})["steps"][0]["transfers"]
+  assert "collective-permute" in swapped[0] and "collective-permute" not in swapped[1]
+  plain = account.account(events, one_way)["steps"][0]["transfers"]
+  assert "collective-permute" not in plain[0] and "collective-permute" in plain[1]
   assert summary["devices"][0]["backward"] == 60 and summary["interval_us"] == 250
   assert account.parts_in_order(dev0)[:2] == ["forward", "head collective"]
   assert account.parts_in_order(dev0)[-2:] == ["idle", "host gap"]
@@ -257,7 +270,9 @@ def test_a_traced_step_sends_what_its_ticks_send(tmp_path, schedule, v):
   all its ticks are full. Interleaved, lockstep on a ring, sends in each of
   a device's forward and backward slots, filled or not: vM+S-1 of each per
   device (its ticks less the vS-1 backward-only ones), which is more than the
-  planner's. Every device joins each all-reduce alike.
+  planner's. (This pins what the engine sends today: an engine that stops
+  sending from empty slots changes the interleaved expectation to the
+  planner's.) Every device joins each all-reduce alike.
   """
   from tests import _pipeline_util as util  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import facts, make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
@@ -292,3 +307,11 @@ def test_a_traced_step_sends_what_its_ticks_send(tmp_path, schedule, v):
   summary = account.summarise(result)
   assert sum(summary["transfers"][d]["collective-permute"]["bytes"]
              for d in (0, 1)) == want * activation
+
+
+def test_partitions_name_each_device_by_its_place_in_the_mesh():
+  devices = jax.devices()[:2]
+  mesh = jax.sharding.Mesh(np.array(devices[::-1]), ("stage",))
+  got = account.partitions_of(mesh)
+  assert got[devices[1].id] == 0 and got[devices[0].id] == 1
+  assert set(got.values()) == {0, 1}

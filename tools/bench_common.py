@@ -139,6 +139,7 @@ class _Timed:
   state: Any
   tokens: Any
   targets: Any
+  mesh: Any = None   # the step's mesh, where its collectives name devices by place in it
 
   def _run(self):
     self.state, metrics = self.compiled(self.state, self.tokens, self.targets)
@@ -161,7 +162,8 @@ class _Timed:
     from jaxpipe import account  # pylint: disable=g-import-not-at-top
     with tempfile.TemporaryDirectory(prefix="jaxpipe-trace-") as trace_dir:
       done = account.profile_steps(self._run, jax.block_until_ready, steps, trace_dir)
-      result = account.account(account.read_trace(trace_dir), self.compiled.as_text(), done)
+      result = account.account(account.read_trace(trace_dir), self.compiled.as_text(), done,
+                               account.partitions_of(self.mesh) if self.mesh else None)
     return account.summarise(result)
 
 
@@ -177,7 +179,7 @@ class Runner(_Timed):
     self.name = schedule
     cfg = make_config(shape, schedule, num_stages, num_microbatches, data)  # validates the shape
     model, fns, optimizer = model_parts(shape, seed)
-    mesh = make_mesh(cfg.pipeline.stages, data)
+    mesh = self.mesh = make_mesh(cfg.pipeline.stages, data)
     self.schedule = make_schedule(cfg.pipeline.schedule, fns, optimizer, mesh, num_microbatches,
                                   stash=shape.stash,
                                   virtual_stages=cfg.pipeline.virtual_stages,
@@ -286,7 +288,7 @@ def two_cores(spec: str) -> tuple[str, str]:
     usable = os.sched_getaffinity(0)
   except AttributeError:
     usable = set(range(os.cpu_count() or 1))
-  if (len(cores) != 2 or cores[0] == cores[1] or not all(c.isdigit() for c in cores)
+  if (len(cores) != 2 or not all(c.isdigit() for c in cores) or int(cores[0]) == int(cores[1])
       or not all(int(c) in usable for c in cores)):
     raise ValueError(f"--cores needs two different cores of {sorted(usable)}, got {spec!r}")
   return cores[0], cores[1]

@@ -237,6 +237,9 @@ def _labels(args) -> list[str]:
 
 def _check(args, shape: ModelShape) -> None:
   """Raises ValueError (one line) for settings the engine would refuse."""
+  if args.account < 0 or args.account == 1:
+    raise ValueError(f"--account must be 0 (off) or >= 2 steps (the first traced step has "
+                     f"no predecessor to measure its gap from), got {args.account}")
   stages = SWEEP_STAGES if args.sweep else (2,) if args.two_core else (args.stages,)
   for s_ in stages:
     if s_ < 1:
@@ -289,15 +292,9 @@ def _check(args, shape: ModelShape) -> None:
     if bad:
       raise ValueError(f"--processes {','.join(bad)}: not a pipelined schedule; choose from "
                        f"{', '.join(SCHEDULES[1:])}")
-    if args.account < 0 or args.account == 1:
-      raise ValueError(f"--account must be 0 (off) or >= 2 steps (the first traced step has "
-                       f"no predecessor to measure its gap from), got {args.account}")
     return
   if args.instances is not None:
     raise ValueError("--instances splits the rounds of --two-core; add --two-core or drop it")
-  if args.account < 0 or args.account == 1:
-    raise ValueError(f"--account must be 0 (off) or >= 2 steps (the first traced step has "
-                     f"no predecessor to measure its gap from), got {args.account}")
   if args.account and args.sweep:
     raise ValueError("--account traces the schedules of one shape; drop --sweep or --account")
   if args.repeats < 1 or args.warmup < 1:

@@ -6,16 +6,18 @@
 
 Nothing of jaxpipe runs here. Each round starts the same single-threaded
 program (a NumPy loop of `tanh(a @ b)` on 192 x 192 float32 matrices, one
-BLAS thread, `--work` iterations; it fits a core's L2 cache, so it measures
-the core, not the memory) three times: pinned alone to the first core, then
-alone to the second, then two copies at once, one pinned to each. It prints
-each round, then the spread of the one-core times (the same work, so any
-spread is the machine's: a virtual machine's host may run other guests on
-the same physical cores, or change their clocks) and the two-core speed-up
-per round: twice the round's mean one-core time over the slower of the two
-copies. A pipeline's speed-up over one core is a ratio of two such draws,
-so this spread bounds how closely any single run of the pipeline benchmarks
-can show a target on this machine.
+BLAS thread, `--work` iterations; about 0.5 MB of matrices, within a
+server core's L2 cache, so it measures the core rather than the memory)
+three times: pinned alone to the first core, then alone to the second, then
+two copies at once, one pinned to each, their clocks started together. It
+prints each round, then the spread of the one-core times (the same work, so
+any spread is the machine's) and the two-core speed-up per round: twice the
+round's mean one-core time over the slower of the two copies. The alone
+runs and the pair run at different moments, so where the cores' speed moves
+between them a round's speed-up can exceed 2x: that is the spread, not
+extra speed. A pipeline's speed-up over one core is a ratio of two such
+draws, so this spread bounds how closely any single run of the pipeline
+benchmarks can show a target on this machine.
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -37,12 +39,17 @@ from bench_common import two_cores, write
 from jaxpipe.cli import Parser
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-# The program each core runs: its own seconds on stdout, after NumPy's import.
+# The program each core runs. It says "ready" once NumPy is imported and its
+# matrices made, and starts its clock when told: copies started together then
+# time the same seconds, not their imports. Its seconds on stdout.
 PROGRAM = """
+import sys
 import time
 import numpy as np
 a = np.random.default_rng(0).random((192, 192), dtype=np.float32)
 b = a.copy()
+print("ready", flush=True)
+sys.stdin.readline()
 t = time.perf_counter()
 for _ in range({work}):
   b = np.tanh(a @ b)
@@ -53,19 +60,42 @@ _ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THR
 
 
 def run_pinned(cores: Sequence[str], work: int) -> list[float]:
-  """Seconds each copy of `PROGRAM` took, one copy started per core in `cores`, all at once."""
+  """Seconds each copy of `PROGRAM` took, one copy pinned to each core of `cores`, timed together.
+
+  If a copy fails, the others are stopped before the error is raised.
+  """
   env = dict(os.environ, **_ONE_THREAD)
   procs = [subprocess.Popen(["taskset", "-c", c, sys.executable, "-c", PROGRAM.format(work=work)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
            for c in cores]
-  out = []
-  for p in procs:
-    stdout, stderr = p.communicate()
-    if p.returncode != 0:
-      tail = stderr.strip().splitlines()[-1:] or ["(no output)"]
-      raise RuntimeError(f"the probe exited {p.returncode}: {tail[0]}")
-    out.append(float(stdout))
-  return out
+  try:
+    for p in procs:
+      if p.stdout.readline().strip() != "ready":
+        raise RuntimeError(_failure(p))
+    for p in procs:
+      p.stdin.write("go\n")
+      p.stdin.flush()
+    out = []
+    for p in procs:
+      line = p.stdout.readline()
+      if p.wait() != 0 or not line.strip():
+        raise RuntimeError(_failure(p))
+      out.append(float(line))
+    return out
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+      for f in (p.stdin, p.stdout, p.stderr):
+        f.close()
+
+
+def _failure(p: subprocess.Popen) -> str:
+  p.wait()
+  tail = p.stderr.read().strip().splitlines()[-1:] or ["(no output)"]
+  return f"the probe exited {p.returncode}: {tail[0]}"
 
 
 def _load() -> str:
@@ -81,7 +111,7 @@ def measure(rounds: int, cores: tuple[str, str], work: int,
     alone = [run([cores[0]], work)[0], run([cores[1]], work)[0]]
     pair = run(list(cores), work)
     r = {"alone": alone, "pair": pair,
-         # Two copies' work in the slower copy's time, against the round's one-core mean.
+         # The mean, not either core: each core's speed moves by itself (docs/benchmark.md).
          "speedup": 2 * statistics.mean(alone) / max(pair), "load": _load()}
     out.append(r)
     log(f"  round {i + 1}/{rounds} {time.strftime('%H:%M:%S')}: alone {alone[0]:.3f} / "

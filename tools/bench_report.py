@@ -80,7 +80,8 @@ def account_tables(accounts: dict[str, Any]) -> str:
   The first table gives compute by phase, time in collectives (moving data,
   and waiting for the other devices to arrive), idle time inside the step and
   the host's gap before it; they add up to the traced step, shown beside the
-  step as the host measured it. The second splits the collectives by phase.
+  step as the host measured it. The second splits the collectives by phase;
+  the third counts them (`transfers_table`).
   """
   main, coll = [], []
   phases = ("embed", "head", "embed_grad", "send", "grad_reduce", "optimizer", "other")
@@ -105,6 +106,13 @@ def account_tables(accounts: dict[str, Any]) -> str:
           + "\n\n" + transfers_table(accounts))
 
 
+def _device_key(device: Any) -> tuple[str, int]:
+  """Orders devices 0, 1, ..., 10 (and p0, p1 of processes) by their number, not as text."""
+  text = str(device)
+  digits = text.lstrip("abcdefghijklmnopqrstuvwxyz")
+  return text[:len(text) - len(digits)], int(digits) if digits.isdigit() else -1
+
+
 def transfers_table(accounts: dict[str, Any]) -> str:
   """Markdown: each configuration's collectives per device and step, by kind, as executed.
 
@@ -116,7 +124,7 @@ def transfers_table(accounts: dict[str, Any]) -> str:
                   for per in acc.get("transfers", {}).values() for k in per})
   lines = []
   for label, acc in accounts.items():
-    for device, per in sorted(acc.get("transfers", {}).items(), key=lambda kv: int(kv[0])):
+    for device, per in sorted(acc.get("transfers", {}).items(), key=lambda kv: _device_key(kv[0])):
       cells = [f"{per[k]['count']:g} / {per[k]['bytes'] / 1024:.1f}" if k in per else "0"
                for k in kinds]
       lines.append(f"| {label} | {device} | " + " | ".join(cells) + " |")

@@ -244,9 +244,11 @@ class _Group:
     for i, m in enumerate(self.members):
       acc = json.loads(m._line())  # pylint: disable=protected-access
       # Each process traced its own device; name it by process.
-      acc["devices"] = {f"p{i}": parts for parts in acc["devices"].values()}
-      out[self.label] = {**out.get(self.label, acc), "devices": {
-          **out.get(self.label, {}).get("devices", {}), **acc["devices"]}}
+      for key in ("devices", "transfers"):
+        acc[key] = {f"p{i}": v for v in acc.get(key, {}).values()}
+      prev = out.get(self.label, {})
+      out[self.label] = {**(prev or acc), **{
+          key: {**prev.get(key, {}), **acc[key]} for key in ("devices", "transfers")}}
     return out
 
   def close(self) -> None:
