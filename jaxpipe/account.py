@@ -66,6 +66,14 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PHASE = re.compile(r"pipe_([a-z_]+)")
 
 
+def _instructions(hlo_text: str) -> Iterable[tuple[str, str, str]]:
+  """(line, name, opcode) of each instruction of an HLO module's text."""
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m:
+      yield line, m.group(1), m.group(2)
+
+
 def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
   """{instruction name: (opcode, phase)} of a compiled module's HLO text.
 
@@ -74,11 +82,7 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
   `transpose(...)`), or 'other' where it has none.
   """
   out = {}
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name, opcode = m.groups()
+  for line, name, opcode in _instructions(hlo_text):
     meta = _OP_NAME.search(line)
     phases = _PHASE.findall(meta.group(1)) if meta else []
     out[name] = (opcode, phases[0] if phases else "other")
@@ -112,11 +116,7 @@ def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset
   collectives synchronously).
   """
   out = {}
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name, opcode = m.groups()
+  for line, name, opcode in _instructions(hlo_text):
     if opcode.endswith("-done") or _base_opcode(opcode) not in COLLECTIVES:
       continue
     result = line[line.index("=") + 1:line.index(f"{opcode}(")]

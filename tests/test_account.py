@@ -218,15 +218,12 @@ def test_the_summary_is_the_mean_step_so_its_parts_add_up():
   assert account.summarise({"steps": []})["steps"] == 0
 
 
-def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
-  """A real trace of a 2-stage 1f1b step: the parts of each device sum to its interval,
-  the named phases show up, and the trace's interval agrees with the host's clock.
-  """
+def _compiled_step(schedule: str, m: int, **kw):
+  """(compiled step, a function running it once) of a 2-stage schedule of the test model."""
   from tests import _pipeline_util as util  # pylint: disable=g-import-not-at-top
   from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
-  m = 4
-  sch = make_schedule("1f1b", util.stage_fns(), util.optimizer("adamw"), make_mesh(2, 1), m,
-                      stash="residuals")
+  sch = make_schedule(schedule, util.stage_fns(), util.optimizer("adamw"), make_mesh(2, 1), m,
+                      stash="residuals", **kw)
   state = [sch.init(jax.tree.map(jnp.asarray, util.initial_params()), (m, util.ROWS, util.SEQ))]
   tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in util.batches(m)[0])
   compiled = sch.lower_step(state[0], tok, tgt).compile()
@@ -236,6 +233,14 @@ def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
     return met
 
   jax.block_until_ready(step())
+  return compiled, step
+
+
+def test_a_traced_pipelined_step_adds_up_to_the_measured_step(tmp_path):
+  """A real trace of a 2-stage 1f1b step: the parts of each device sum to its interval,
+  the named phases show up, and the trace's interval agrees with the host's clock.
+  """
+  compiled, step = _compiled_step("1f1b", 4)
   n = 16
   done = account.profile_steps(step, jax.block_until_ready, n, str(tmp_path))
   result = account.account(account.read_trace(str(tmp_path)), compiled.as_text(), done)
@@ -275,20 +280,9 @@ def test_a_traced_step_sends_what_its_ticks_send(tmp_path, schedule, v):
   planner's.) Every device joins each all-reduce alike.
   """
   from tests import _pipeline_util as util  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import facts, make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
   m, s = 4, 2
-  kw = {"virtual_stages": v} if v > 1 else {}
-  sch = make_schedule(schedule, util.stage_fns(), util.optimizer("adamw"), make_mesh(s, 1), m,
-                      stash="residuals", **kw)
-  state = [sch.init(jax.tree.map(jnp.asarray, util.initial_params()), (m, util.ROWS, util.SEQ))]
-  tok, tgt = (jax.device_put(x, sch.batch_sharding()) for x in util.batches(m)[0])
-  compiled = sch.lower_step(state[0], tok, tgt).compile()
-
-  def step():
-    state[0], met = compiled(state[0], tok, tgt)
-    return met
-
-  jax.block_until_ready(step())
+  compiled, step = _compiled_step(schedule, m, **({"virtual_stages": v} if v > 1 else {}))
   done = account.profile_steps(step, jax.block_until_ready, 4, str(tmp_path))
   result = account.account(account.read_trace(str(tmp_path)), compiled.as_text(), done)
   activation = util.ROWS * util.SEQ * util.CONFIG.dim * 4   # float32
