@@ -49,6 +49,7 @@ import collections
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import statistics
@@ -117,7 +118,8 @@ def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset
   """
   out = {}
   for line, name, opcode in _instructions(hlo_text):
-    if opcode.endswith("-done") or _base_opcode(opcode) not in COLLECTIVES:
+    kind = _base_opcode(opcode)
+    if opcode.endswith("-done") or kind not in COLLECTIVES:
       continue
     result = line[line.index("=") + 1:line.index(f"{opcode}(")]
     arrays = _ARRAY.findall(result)
@@ -126,21 +128,14 @@ def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset
       while len(arrays) > 2 and arrays[-1] == ("u32", ""):
         arrays.pop()
       arrays = arrays[len(arrays) // 2:]
-    size = sum(-(-_dtype_bits(t) * _elements(dims) // 8) for t, dims in arrays)
+    size = sum(-(-_dtype_bits(t) * math.prod(int(d) for d in dims.split(",") if d) // 8)
+               for t, dims in arrays)
     sources = None
     pairs = _PAIRS.search(line)
-    if _base_opcode(opcode) == "collective-permute" and pairs:
+    if kind == "collective-permute" and pairs:
       sources = frozenset(int(a) for a, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
-    out[name] = (_base_opcode(opcode), size, sources)
+    out[name] = (kind, size, sources)
   return out
-
-
-def _elements(dims: str) -> int:
-  n = 1
-  for d in dims.split(","):
-    if d:
-      n *= int(d)
-  return n
 
 
 def _base_opcode(opcode: str) -> str:
@@ -366,11 +361,10 @@ def partitions_of(mesh: Any) -> dict[int, int]:
   """
   import jax  # pylint: disable=g-import-not-at-top
   place = {d.id: i for i, d in enumerate(mesh.devices.flat)}
-  out = {d.id: place[d.id] for d in jax.local_devices() if d.id in place}
-  for d in jax.local_devices():
-    if d.id in place:
-      out.setdefault(d.local_hardware_id, place[d.id])
-  return out
+  here = [d for d in jax.local_devices() if d.id in place]
+  # Ids first: where a local hardware id equals another device's id, the id wins.
+  return {**{d.local_hardware_id: place[d.id] for d in here},
+          **{d.id: place[d.id] for d in here}}
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_common import two_cores, write
+from bench_report import load
 from jaxpipe.cli import Parser
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -99,7 +100,8 @@ def _failure(p: subprocess.Popen) -> str:
 
 
 def _load() -> str:
-  return f"{os.getloadavg()[0]:.2f}"
+  """The 1-minute load average (of `bench_report.load`'s three)."""
+  return load().split("/")[0]
 
 
 def measure(rounds: int, cores: tuple[str, str], work: int,
