@@ -43,7 +43,8 @@ import time
 from typing import Any, Collection, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "StepFlops", "step_flops", "gpu_expected",
-           "gpu_xla_flags", "merge_xla_flags", "cpu_xla_flags", "xla_default_order_flags",
+           "gpu_xla_flags", "nvidia_driver_loaded", "cuda_plugin_installed",
+           "cpu_without_driver", "xla_options", "merge_xla_flags", "cpu_xla_flags", "xla_default_order_flags",
            "CPU_MALLOC", "ONE_ARENA", "tune_cpu_malloc", "thread_ids", "start_backend",
            "epoll_threads", "make_idle_class", "device_memory", "write_device_memory",
            "enable_compile_cache"]
@@ -167,15 +168,24 @@ def _installed(name: str) -> bool:
   return True
 
 
+def nvidia_driver_loaded() -> bool:
+  """Whether this machine runs NVIDIA's kernel driver, without which CUDA finds no GPU."""
+  return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether jaxlib's CUDA plugin is installed (`pip install jax[cuda12]`, jaxpipe's cuda extra)."""
+  return any(_installed(name) for name in _CUDA_DISTRIBUTIONS)
+
+
 def gpu_expected(env: Optional[Mapping[str, str]] = None) -> bool:
   """Whether JAX, once started in this environment, will run on NVIDIA GPUs.
 
   Decided before JAX starts (XLA reads XLA_FLAGS then): a CUDA build of
-  jaxlib's plugin is installed, JAX_PLATFORMS (if set) allows cuda or gpu,
-  and CUDA_VISIBLE_DEVICES does not hide every GPU. A machine with the CUDA
-  plugin but no GPU answers True and JAX falls back to the CPU: the GPU flags
-  are then inert (XLA knows them on every backend and the CPU compiler never
-  reads them).
+  jaxlib's plugin is installed, NVIDIA's driver is loaded, JAX_PLATFORMS (if
+  set) allows cuda or gpu, and CUDA_VISIBLE_DEVICES does not hide every GPU.
+  A machine with the plugin but no driver (jaxpipe's cuda extra installed to
+  compile for GPUs on a CPU machine, `jaxpipe.gpu`) runs on its CPU.
   """
   env = os.environ if env is None else env
   platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
@@ -183,7 +193,22 @@ def gpu_expected(env: Optional[Mapping[str, str]] = None) -> bool:
     return False
   if env.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
     return False
-  return any(_installed(name) for name in _CUDA_DISTRIBUTIONS)
+  return cuda_plugin_installed() and nvidia_driver_loaded()
+
+
+def cpu_without_driver(env: Optional[dict[str, str]] = None) -> bool:
+  """Sets JAX_PLATFORMS=cpu where the CUDA plugin is installed but NVIDIA's driver is not.
+
+  JAX would otherwise try to start the plugin, which fails without the
+  driver and prints a traceback before JAX falls back to the CPU. Called
+  by the commands before JAX starts; a JAX_PLATFORMS already set is kept.
+  Returns whether it set it.
+  """
+  env = os.environ if env is None else env
+  if env.get("JAX_PLATFORMS") or not cuda_plugin_installed() or nvidia_driver_loaded():
+    return False
+  env["JAX_PLATFORMS"] = "cpu"
+  return True
 
 
 def gpu_xla_flags(*, deterministic: bool, pipelined: bool) -> list[str]:
@@ -210,6 +235,25 @@ def gpu_xla_flags(*, deterministic: bool, pipelined: bool) -> list[str]:
   if deterministic:
     flags.append("--xla_gpu_deterministic_ops=true")
   return flags
+
+
+def xla_options(flags: Sequence[str], current: str = "") -> dict[str, Any]:
+  """XLA flags as `compiler_options` of one compile, without those `current` (XLA_FLAGS) sets.
+
+  `--name=value` becomes {name: value} with true/false as booleans and the
+  shell quotes of an empty value dropped, as `jax.stages.Lowered.compile`
+  takes them; a flag the user set in XLA_FLAGS is left out, so that the
+  user's value (which XLA read at start-up) wins there too.
+  """
+  have = {_flag_name(f) for f in current.split()}
+  out: dict[str, Any] = {}
+  for flag in flags:
+    name, _, value = flag.partition("=")
+    if name in have:
+      continue
+    value = value.strip("'\"")
+    out[name.lstrip("-")] = {"true": True, "false": False}.get(value, value)
+  return out
 
 
 def _flag_name(flag: str) -> str:

@@ -81,6 +81,9 @@ def prepare_devices(cfg: Config) -> None:
   A flag the user already put in XLA_FLAGS is kept, with its value, and so
   is malloc's behaviour where the environment sets it.
   """
+  # jaxlib's CUDA plugin on a machine without NVIDIA's driver (installed to
+  # compile for GPUs here, `jaxpipe.gpu`): JAX runs on the CPU, quietly.
+  accel.cpu_without_driver()
   need = local_devices_needed(cfg)
   flags = os.environ.get("XLA_FLAGS", "")
   if need > 1 and _COUNT_FLAG not in flags:

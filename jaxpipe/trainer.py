@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe import _loop
@@ -161,22 +162,53 @@ def _mesh(cfg: Config, devices) -> jax.sharding.Mesh:
   return mesh
 
 
+def build_schedule(cfg: Config, fns: StageFns, optimizer: Any, mesh: jax.sharding.Mesh, *,
+                   schedule: Optional[str] = None, stash: Optional[str] = None,
+                   virtual_stages: Optional[int] = None) -> Schedule:
+  """The config's schedule on `mesh`, as training runs it.
+
+  The one place a config becomes a `make_schedule` call: `make_run`, the
+  planner and the GPU compile (`jaxpipe.gpu`) build their step through it.
+  `schedule`, `stash` and `virtual_stages` ask for another schedule, stash
+  choice or chunk count than the config's (the planner compares them).
+  """
+  p = cfg.pipeline
+  return make_schedule(schedule or p.schedule, fns, optimizer, mesh, p.microbatches,
+                       stash=stash or p.stash, virtual_stages=virtual_stages or p.virtual_stages,
+                       shard_optimizer=cfg.mesh.shard_optimizer,
+                       expert_parallel=cfg.mesh.expert_parallel,
+                       vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
+                       predict=(optim.predicted_params if cfg.optimizer.weight_prediction
+                                else None))
+
+
+def abstract_step_inputs(cfg: Config, model: model_lib.Model,
+                         schedule: Schedule) -> tuple[Any, jax.ShapeDtypeStruct]:
+  """(state, batch) of `schedule`'s step as shapes placed in its shardings: nothing is allocated.
+
+  What a step is lowered with to compile it ahead of time (the planner's
+  `--compile`, `jaxpipe.gpu`): the state of `Schedule.init` at the model's
+  initial parameters, and a [M, B/M, seq] batch of token ids.
+  """
+  m = cfg.pipeline.microbatches
+  batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  state = jax.eval_shape(lambda p: schedule.init(p, batch_shape), params)
+  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                       state, schedule.state_shardings(state))
+  return state, jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=schedule.batch_sharding())
+
+
 def make_run(cfg: Config, devices=None) -> Run:
   """Builds data, model, optimizer, mesh and schedule from a validated config."""
   data = open_data(cfg)
   cfg = resolve_attention(resolve_model(cfg, data))
   model, fns, optimizer = components(cfg)
   lr_schedule = optim.learning_rate_schedule(cfg.optimizer, cfg.run.steps)
-  p = cfg.pipeline
   devices = jax.devices() if devices is None else devices
   launch.check_devices(cfg, devices)
   mesh = _mesh(cfg, devices)
-  schedule = make_schedule(p.schedule, fns, optimizer, mesh, p.microbatches, stash=p.stash,
-                           virtual_stages=p.virtual_stages,
-                           shard_optimizer=cfg.mesh.shard_optimizer,
-                           expert_parallel=cfg.mesh.expert_parallel,
-                           vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
-                           predict=optim.predicted_params if cfg.optimizer.weight_prediction else None)
+  schedule = build_schedule(cfg, fns, optimizer, mesh)
   run = Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
   # Refused here, before anything is written: this process's rows of a batch
   # must be one aligned block of it (the loop reads them again, `_batches`).

@@ -73,13 +73,46 @@ def test_step_flops_hand_count_pipelined_recomputation():
 
 def test_gpu_expected_reads_the_environment(monkeypatch):
   monkeypatch.setattr(accel, "_installed", lambda name: True)
+  monkeypatch.setattr(accel, "nvidia_driver_loaded", lambda: True)
   assert accel.gpu_expected({})
   assert accel.gpu_expected({"JAX_PLATFORMS": "cuda,cpu"})
   assert not accel.gpu_expected({"JAX_PLATFORMS": "cpu"})
   assert not accel.gpu_expected({"CUDA_VISIBLE_DEVICES": ""})
   assert not accel.gpu_expected({"CUDA_VISIBLE_DEVICES": "-1"})
+  monkeypatch.setattr(accel, "nvidia_driver_loaded", lambda: False)
+  assert not accel.gpu_expected({})   # the CUDA plugin without a driver: a CPU machine
+  monkeypatch.setattr(accel, "nvidia_driver_loaded", lambda: True)
   monkeypatch.setattr(accel, "_installed", lambda name: False)
-  assert not accel.gpu_expected({})   # no CUDA plugin: a CPU jaxlib, as here
+  assert not accel.gpu_expected({})   # no CUDA plugin: a CPU jaxlib
+
+
+def test_a_cuda_plugin_without_a_driver_runs_jax_on_the_cpu(monkeypatch):
+  """With the plugin but no driver, the commands tell JAX to use the CPU (its start-up
+  would otherwise fail there and print a traceback); a JAX_PLATFORMS the user set stays."""
+  monkeypatch.setattr(accel, "_installed", lambda name: True)
+  monkeypatch.setattr(accel, "nvidia_driver_loaded", lambda: False)
+  env = {}
+  assert accel.cpu_without_driver(env) and env == {"JAX_PLATFORMS": "cpu"}
+  env = {"JAX_PLATFORMS": "cuda"}
+  assert not accel.cpu_without_driver(env) and env == {"JAX_PLATFORMS": "cuda"}
+  monkeypatch.setattr(accel, "nvidia_driver_loaded", lambda: True)
+  env = {}
+  assert not accel.cpu_without_driver(env) and env == {}
+  monkeypatch.setattr(accel, "nvidia_driver_loaded", lambda: False)
+  monkeypatch.setattr(accel, "_installed", lambda name: False)
+  assert not accel.cpu_without_driver(env) and env == {}
+
+
+def test_xla_flags_become_compile_options():
+  """The launcher's flags as one compile's options; a flag set in XLA_FLAGS is left to it."""
+  flags = accel.gpu_xla_flags(deterministic=True, pipelined=True)
+  assert accel.xla_options(flags) == {
+      "xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_command_buffer": "",
+      "xla_disable_hlo_passes": "collective-permute-motion",
+      "xla_gpu_experimental_pipeline_parallelism_opt_level": "PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE",
+      "xla_gpu_deterministic_ops": True}
+  assert accel.xla_options(flags, "--xla_gpu_deterministic_ops=false") == {
+      k: v for k, v in accel.xla_options(flags).items() if k != "xla_gpu_deterministic_ops"}
 
 
 PIPELINE_FLAGS = [

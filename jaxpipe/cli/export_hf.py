@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from jaxpipe import accel
 from jaxpipe.cli._common import Parser, run_reported
 from jaxpipe.data import BUILTIN_TOKENIZERS
 from jaxpipe.errors import InputError
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--overwrite", action="store_true",
                       help="replace an earlier export at --out (never other files)")
   args = parser.parse_args(argv)
+  accel.cpu_without_driver()  # before JAX starts: a CUDA plugin without a GPU stays quiet
   start = time.perf_counter()
 
   def summary(done: tuple[int, str]) -> str:

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 
+from jaxpipe import accel
 from jaxpipe.cli._common import Parser
 
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--only-new", action="store_true",
                       help="print the continuation alone (default: the prompt, then it)")
   args = parser.parse_args(argv)
+  accel.cpu_without_driver()  # before JAX starts: a CUDA plugin without a GPU stays quiet
 
   from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
   try:

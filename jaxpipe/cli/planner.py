@@ -484,25 +484,15 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   on the emulated devices and compiled; returns per-device bytes:
   argument, output, alias, temp, and resident = argument + output - alias + temp.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh  # pylint: disable=g-import-not-at-top
   cfg = resolve_vocab(cfg)
   model, fns, optimizer = trainer.components(cfg)
-  m = cfg.pipeline.microbatches
   stages = cfg.pipeline.stages if schedule != "none" else 1
-  sched = make_schedule(schedule, fns, optimizer, make_mesh(stages, cfg.mesh.data), m,
-                        stash=stash, virtual_stages=virtual_stages(cfg, schedule),
-                        shard_optimizer=cfg.mesh.shard_optimizer,
-                        expert_parallel=cfg.mesh.expert_parallel,
-                        vocab_parallel=config_lib.vocab_parallel(cfg.model, cfg.pipeline))
-  batch_shape = (m, cfg.data.batch_size // m, cfg.data.seq_len)
-  params = jax.eval_shape(model.init, jax.random.key(0))
-  state = jax.eval_shape(lambda p: sched.init(p, batch_shape), params)
-  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                       state, sched.state_shardings(state))
-  batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sched.batch_sharding())
+  sched = trainer.build_schedule(cfg, fns, optimizer, make_mesh(stages, cfg.mesh.data),
+                                 schedule=schedule, stash=stash,
+                                 virtual_stages=virtual_stages(cfg, schedule))
+  state, batch = trainer.abstract_step_inputs(cfg, model, sched)
   stats = sched.lower_step(state, batch, batch).compile().memory_analysis()
   row = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
          "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
@@ -668,17 +658,28 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--json", action="store_true",
                       help="print one JSON object instead of the report (with --compile: "
                            "xla_resident_gib beside estimate_gib)")
+  parser.add_argument("--gpu", metavar="KIND", default=None,
+                      help="also compile the step for NVIDIA GPUs of this kind (h100, h100-pcie, "
+                           "h200, a100, b200; needs the cuda extra) and print what the GPU "
+                           "program holds and a projected step")
+  parser.add_argument("--nodes", type=int, default=1,
+                      help="with --gpu: nodes the mesh's GPUs are spread over (default 1)")
+  parser.add_argument("--network-gbps", type=float, default=400.0,
+                      help="with --gpu: Gb/s one GPU sends to another node (default 400)")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. pipeline.microbatches=8")
   args = parser.parse_args(argv)
+  # Planning needs shapes and shardings, not accelerators: plan on the host
+  # (unless told otherwise), whose devices can be emulated in any number. Set
+  # before anything imports JAX, which reads it then (--gpu compiles for GPUs
+  # through jaxlib's CUDA plugin without starting it as a backend).
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   try:
     if args.device_gib <= 0:
       raise ConfigError(f"--device-gib must be > 0, got {args.device_gib:g}")
     if not 0 < args.max_bubble < 1:
       raise ConfigError(f"--max-bubble must be in (0, 1), got {args.max_bubble:g}")
+    _check_gpu_args(args)
     cfg = config_lib.load(args.config, args.overrides)
-    # Planning needs shapes and shardings, not accelerators: plan on the host
-    # (unless told otherwise), whose devices can be emulated in any number.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # XLA's default CPU order, which keeps more alive than the depth-first one
     # train.py sets on the CPU: the larger figure is the one to size by.
     os.environ["XLA_FLAGS"] = accel.merge_xla_flags(os.environ.get("XLA_FLAGS", ""),
@@ -686,14 +687,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     # The shardings need the mesh's devices: emulate them before JAX starts.
     launch.prepare_devices(cfg)
     result = plan(cfg, device_gib=args.device_gib, max_bubble=args.max_bubble)
-    compiled = None
+    compiled = gpu_report = None
     if args.compile:
       compiled = compiled_memory(result.cfg, cfg.pipeline.schedule, cfg.pipeline.stash)
+    if args.gpu:
+      from jaxpipe import gpu as gpu_lib  # pylint: disable=g-import-not-at-top
+      gpu_report = gpu_lib.report(gpu_lib.compile_step(result.cfg, args.gpu, nodes=args.nodes),
+                                  network_gbps=args.network_gbps)
   except InputError as e:
     print(f"planner: {e}", file=sys.stderr)
     return 2
   if args.json:
-    print(json.dumps(plan_json(result, compiled), sort_keys=True))
+    out = plan_json(result, compiled)
+    if gpu_report is not None:
+      out["gpu"] = gpu_report.as_json()
+    print(json.dumps(out, sort_keys=True))
     return 0
   print(format_plan(result, args.device_gib))
   if compiled is not None:
@@ -702,7 +710,76 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{human(compiled['resident'])} per device (arguments {human(compiled['argument'])}, "
           f"temporaries {human(compiled['temp'])}); the estimate above is "
           f"{human(est)} ({est / compiled['resident'] - 1:+.0%}).")
+  if gpu_report is not None:
+    print("\n" + format_gpu(gpu_report, result.cfg))
   return 0
+
+
+def _check_gpu_args(args) -> None:
+  """Refuses --gpu, --nodes and --network-gbps that cannot work, before anything is built."""
+  if args.gpu is None:
+    if args.nodes != 1 or args.network_gbps != 400.0:
+      raise ConfigError("--nodes and --network-gbps describe the GPUs of --gpu; add --gpu KIND")
+    return
+  from jaxpipe import gpu as gpu_lib  # pylint: disable=g-import-not-at-top
+  try:
+    gpu_lib.kind(args.gpu)
+  except ValueError as e:
+    raise ConfigError(f"--gpu: {e}") from None
+  if args.nodes < 1:
+    raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+  if args.network_gbps <= 0:
+    raise ConfigError(f"--network-gbps must be > 0, got {args.network_gbps:g}")
+  missing = gpu_lib.cuda_plugin_missing()
+  if missing:
+    raise ConfigError(missing)
+
+
+def format_gpu(r: Any, cfg: config_lib.Config) -> str:
+  """The GPU compile's report (`jaxpipe.gpu.GpuReport`) as the planner prints it."""
+  mem, gib = r.memory, lambda n: f"{n / 2 ** 30:.2f} GiB"
+  c = r.cost
+  kernels = ", ".join(f"{k} x{n}" for k, n in sorted(r.attention["kernels"].items())) or "none"
+  lines = [
+      f"GPU compile: {cfg.pipeline.schedule} for {r.devices} x {r.device_kind} on {r.nodes} "
+      f"node{'s' if r.nodes > 1 else ''} (mesh stage x data = {cfg.pipeline.stages} x "
+      f"{cfg.mesh.data}, mesh.layout={cfg.mesh.layout}), XLA's GPU compiler, {r.compile_s:.0f} s",
+      f"  memory per device: resident {gib(mem['resident'])} (arguments {gib(mem['argument'])}, "
+      f"outputs {gib(mem['output'])}, aliased {gib(mem['alias'])}, temporaries "
+      f"{gib(mem['temp'])}) of {gib(r.capacity_bytes)}; JAX's allocator takes "
+      f"{gib(r.usable_bytes)}: {'fits' if r.fits else 'DOES NOT FIT'}",
+      f"  attention: {r.attention['implementation']} (fused kernels compiled: {kernels})",
+      "  matmuls per device and step: " + ", ".join(
+          f"{flops(v)} FLOPs in {k}" for k, v in sorted(c.matmul_flops.items()))
+      + f"; the model's useful work {flops(r.model_flops)}",
+      "  collectives per device and step (bytes each device puts in, each time; hidden: the "
+      "matmul FLOPs and kernel time",
+      "  scheduled between an asynchronous one's start and done; exposed: what the stream "
+      "waits for):",
+  ]
+  rows = [("kind", "phase", "count", "bytes", "async", "across nodes", "hidden", "exposed")]
+  for t in r.transfers:
+    rows.append((t.kind, t.phase + (" (loop)" if t.in_loop else ""), str(t.count),
+                 human(t.bytes), "yes" if t.asynchronous else "no",
+                 "yes" if t.across_nodes else "no",
+                 f"{flops(t.hidden_flops)}, {t.hidden_s * 1e6:.0f} us" if t.asynchronous else "-",
+                 f"{t.exposed_s * 1e6:.0f} us"))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  lines += ["    " + "  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+  lines += [
+      f"  projected step: {r.projected_step_s * 1e3:.1f} ms, MFU {r.projected_mfu:.1%} "
+      f"({c.exposed_s * 1e3:.2f} ms waiting for transfers), at {r.peak_tflops:g} TFLOP/s "
+      f"dense bf16, {r.links['nvlink']:g} GB/s within a node, {r.links['network']:g} GB/s "
+      "across",
+      "  A projection, not a measurement (jaxpipe/gpu/_read.py states the model): each kernel "
+      "at max(matmul FLOPs / peak,",
+      "  bytes / memory bandwidth) plus a launch gap, loops times their trips, a conditional "
+      "its slowest branch (a tick",
+      "  lasts as long as its slowest stage), collectives at the link's bandwidth plus "
+      "latency, the asynchronous ones",
+      "  hidden behind the kernels scheduled between their start and done.",
+  ]
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

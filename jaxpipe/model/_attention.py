@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxpipe import _target
 from jaxpipe.errors import ConfigError
 from jaxpipe.model._config import ATTENTION_SETTINGS, ModelConfig
 
@@ -71,13 +72,12 @@ _CUDNN_MAX_HEAD_DIM = 128
 
 
 def attention_backend() -> str:
-  """The running backend's name, with NVIDIA GPUs told apart: cuda, rocm, cpu, tpu, ..."""
-  name = jax.default_backend()
-  if name in ("gpu", "cuda"):
-    # jax's own cuDNN checks look for "cuda" in the platform version the same way.
-    version = jax.devices()[0].client.platform_version.lower()
-    return "cuda" if "cuda" in version else "rocm" if "rocm" in version else "gpu"
-  return name
+  """The platform attention is traced for, with NVIDIA GPUs told apart: cuda, rocm, cpu, tpu, ...
+
+  The running backend's, or the target's of a step compiled ahead of time
+  for other devices (`jaxpipe._target.compiling_for`).
+  """
+  return _target.platform()
 
 
 def _cudnn_refusal(backend_name: str, dtype_name: str) -> str | None:

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from jaxpipe import _target
 from jaxpipe.optim import _grouping
 from jaxpipe.optim import _optimizers
 
@@ -143,7 +144,7 @@ def _per_matrix(fn, x):
   backends keep the batched call. The results are the same: the kernel
   decomposes each matrix of a batch on its own.
   """
-  if x.ndim == 2 or jax.default_backend() != "cpu":
+  if x.ndim == 2 or _target.platform() != "cpu":
     return fn(x)
   batch = x.shape[:-2]
   out = jax.lax.map(fn, x.reshape(-1, *x.shape[-2:]))

@@ -24,7 +24,7 @@ _LAZY = {
     "TwoBWState": "_schedules", "InFlight": "_schedules", "Interleaved": "_schedules",
     "make_mesh": "_schedules",
     "make_schedule": "_schedules", "merge_params": "_schedules", "split_params": "_schedules",
-    "axes_across_nodes": "_mesh", "residual_shapes": "_engine",
+    "axes_across_nodes": "_mesh", "node_of": "_mesh", "residual_shapes": "_engine",
     "MemoryTerm": "_cost", "PHASES": "_cost", "memory_terms": "_cost", "memory_total": "_cost",
     "stage_tick": "_cost", "flops": "_cost",
     "padded_vocab": "_vocab", "pad_vocab": "_vocab", "unpad_vocab": "_vocab",

@@ -16,7 +16,9 @@ A node is what XLA gives one `slice_index`: on GPUs the devices of one host,
 told apart by the host's boot id (or of one NVLink domain, where the
 launcher sets JAX's partition index). On CPU devices, where every process
 of a host shares one slice index, each process is a node: a run of several
-processes on one machine then lays out its mesh as a cluster would. The
+processes on one machine then lays out its mesh as a cluster would. So is
+it for the devices of a GPU topology compiled for without GPUs
+(`jaxpipe.gpu`), whose slice index is 0 on every node. The
 arrangement within and across nodes is
 `jax.experimental.mesh_utils.create_hybrid_device_mesh`'s.
 """
@@ -37,8 +39,10 @@ __all__ = ["make_mesh", "device_grid", "node_split", "node_of", "axes_across_nod
 
 
 def _by_process(device: Any) -> bool:
-  """Whether a device's node is its process: CPU devices, and any without a slice index."""
-  return device.platform == "cpu" or getattr(device, "slice_index", None) is None
+  """Whether a device's node is its process: CPU devices, any without a slice index, and
+  the devices of a topology compiled for ahead of time (whose process index is their node)."""
+  return (device.platform == "cpu" or getattr(device, "slice_index", None) is None
+          or type(getattr(device, "client", None)).__name__ == "CompileOnlyPyClient")
 
 
 def node_of(device: Any) -> int:
