@@ -1,6 +1,7 @@
 """The model on its own: causality, shapes, tying, remat, Mixture-of-Experts routing, FLOPs."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 
 from jaxpipe import model as model_lib
 from jaxpipe.config import ModelConfig, MoEConfig
+from jaxpipe.model import output_logits
 
 CFG = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
 MOE = dataclasses.replace(CFG, moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0))
@@ -121,3 +123,34 @@ def test_flops_per_token_counts_what_a_token_passes_through():
   # The experts' kernels run over every slot: 8 experts x ceil(1.25 x 128 x 2 / 8) = 40
   # slots per 128 tokens, against the 2 experts of the model's count.
   assert model_lib.token_flops(moe, 128).expert_slots == 2 * 2 * 3 * 32 * 96 * 8 * 40 / 128
+
+
+def test_the_output_layer_backward_runs_in_the_compute_dtype():
+  """The head's float32 logits come from compute-dtype operands, and so do both backward matmuls.
+
+  In float32 its gradients are jnp.dot's exactly; in bfloat16 its gradients
+  are those of the float32 product up to bfloat16 rounding, and the compiled
+  backward has no float32 matmul (differentiated as written it had two:
+  the logits' float32 cotangent against a bfloat16 operand).
+  """
+  keys = jax.random.split(jax.random.key(0), 3)
+  h = jax.random.normal(keys[0], (2, 5, 16))
+  w = jax.random.normal(keys[1], (16, 24))
+  g = jax.random.normal(keys[2], (2, 5, 24))
+  loss = lambda fn: lambda h, w: jnp.sum(fn(h, w) * g)
+  plain = lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32)
+  want = jax.grad(loss(plain), (0, 1))(h, w)
+  got = jax.grad(loss(output_logits), (0, 1))(h, w)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  assert output_logits(hb, wb).dtype == jnp.float32
+  got = jax.grad(loss(output_logits), (0, 1))(hb, wb)
+  assert [x.dtype for x in got] == [jnp.bfloat16] * 2
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0.05, atol=0.05)
+  grad_hlo = jax.jit(jax.grad(loss(output_logits), (0, 1))).lower(hb, wb).as_text()
+  plain_hlo = jax.jit(jax.grad(loss(plain), (0, 1))).lower(hb, wb).as_text()
+  f32_dots = lambda text: [l for l in text.splitlines() if "dot_general" in l
+                           and re.search(r": \(tensor<[^>]*xf32>, tensor<[^>]*xf32>\)", l)]
+  assert len(f32_dots(plain_hlo)) == 2 and not f32_dots(grad_hlo)

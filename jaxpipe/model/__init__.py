@@ -11,7 +11,7 @@ _LAZY = {
     "select_attention": "_attention", "attention_backend": "_attention",
     "cudnn_attention": "_attention",
     "Block": "_llama", "KVCache": "_llama", "Model": "_llama", "make_model": "_llama",
-    "cross_entropy": "_llama",
+    "cross_entropy": "_llama", "output_logits": "_llama",
     "dtype_of": "_llama", "ffn_dim": "_llama", "flops_per_token": "_llama",
     "token_flops": "_llama", "TokenFlops": "_llama",
     "num_params": "_llama", "rotary": "_llama",

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpipe._vma import match_varying
 from jaxpipe.model._config import DTYPE_NAMES, ModelConfig
 from jaxpipe.model import _attention, _moe
 # The one cross-entropy, shared with the pipeline (see jaxpipe/xent.py);
@@ -35,7 +36,7 @@ from jaxpipe.xent import chunked_cross_entropy, cross_entropy
 Params = Any
 
 __all__ = ["Model", "Block", "KVCache", "make_model", "ffn_dim", "dtype_of", "num_params",
-           "flops_per_token", "token_flops", "TokenFlops", "cross_entropy"]
+           "output_logits", "flops_per_token", "token_flops", "TokenFlops", "cross_entropy"]
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -224,6 +225,45 @@ def _expert_axes(blocks: Params) -> Any:
   return jax.tree_util.tree_map_with_path(axis, blocks)
 
 
+def output_logits(h: jax.Array, w: jax.Array) -> jax.Array:
+  """float32 logits h @ w of compute-dtype operands, whose backward runs in their dtype.
+
+  h: [..., dim], w: [dim, vocab] in the compute dtype; the product is
+  accumulated and returned in float32 (a bfloat16 softmax loses the loss's
+  low bits). Differentiated as written, the product's float32 cotangent
+  would make both backward matmuls float32 ones, which a GPU runs at half
+  its bfloat16 rate (TF32), or slower: here the cotangent is cast to the
+  operands' dtype first, and each matmul accumulates in float32, as every
+  other matmul of the model does. With float32 operands nothing changes.
+  Inside `shard_map` (a pipeline's head: h whole, w a vocabulary slice) the
+  operands are first typed alike, so that each cotangent has its operand's
+  type (`jaxpipe._vma`).
+  """
+  return _output_logits(*match_varying(h, w))
+
+
+@jax.custom_vjp
+def _output_logits(h: jax.Array, w: jax.Array) -> jax.Array:
+  return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def _output_logits_fwd(h, w):
+  return _output_logits(h, w), (h, w)
+
+
+def _output_logits_bwd(res, g):
+  h, w = res
+  g = g.astype(h.dtype)
+  lead = tuple(range(h.ndim - 1))
+  g_h = jnp.dot(g, w.T, preferred_element_type=jnp.float32).astype(h.dtype)
+  g_w = jnp.tensordot(h, g, axes=(lead, lead),
+                      preferred_element_type=jnp.float32).astype(w.dtype)
+  return g_h, g_w
+
+
+_output_logits.defvjp(_output_logits_fwd, _output_logits_bwd)
+
+
 def make_model(cfg: ModelConfig,
           exchange: Optional[Callable[[jax.Array], jax.Array]] = None) -> Model:
   """Returns the model's pure functions for a config whose vocab_size is set.
@@ -274,8 +314,7 @@ def make_model(cfg: ModelConfig,
       w = params["embed"]["embedding"].astype(cd).T
     else:
       w = params["head"]["out"]["kernel"].astype(cd)
-    # Logits and the softmax in float32: bf16 logits lose the loss's low bits.
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    return output_logits(h, w)
 
   def head_loss(params, x, targets):
     # The call a pipeline's one-device reference makes too (StageFns.loss):

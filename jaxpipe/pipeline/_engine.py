@@ -87,6 +87,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxpipe._vma import varying_axes
 from jaxpipe.pipeline import _vocab
 from jaxpipe.pipeline._names import DATA, STAGE, STASH_MODES
 from jaxpipe.pipeline._split import SplitStage, VjpLayout, forward_with_vjp, rebuild_vjp
@@ -212,15 +213,6 @@ def expert_exchange(x: jax.Array) -> jax.Array:
   'data' (`StageFns.expert_axes`), and brings the outputs back.
   """
   return lax.all_to_all(x, DATA, 0, 0)
-
-
-def varying_axes(x) -> frozenset:
-  """The mesh axes a value inside `shard_map` varies over (its type, not its data)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
 
 
 def make_varying(tree: Tree) -> Tree:
