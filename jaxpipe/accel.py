@@ -217,10 +217,17 @@ def gpu_xla_flags(*, deterministic: bool, pipelined: bool) -> list[str]:
   - the latency-hiding scheduler, which lets XLA run transfers and collectives
     (the data-parallel all-reduce, the stage-to-stage `ppermute`s) while
     compute runs; XLA leaves it off by default;
-  - for a pipelined schedule, what JAX's GPU performance guide recommends for
-    pipeline parallelism ("Pipeline Parallelism on GPU": no command buffers,
-    no collective-permute motion, XLA's experimental pipeline-parallelism
-    optimisation of collective-permutes in loops);
+  - for a pipelined schedule, two of JAX's GPU performance guide's flags
+    for pipeline parallelism (no command buffers, no collective-permute
+    motion), and two transfers in flight at once instead of one
+    (`xla_gpu_experimental_parallel_collective_overlap_limit`): a tick sends
+    its activation forward and its cotangent back, each beside the block
+    compute that hides it (`jaxpipe.pipeline.Engine(overlap=True)`). The
+    guide's third flag, XLA's pipeline-parallelism optimisation, is left
+    out: it lowers the cotangent's send, which the engine already places
+    at the start of the next tick, to a send and a recv whose done XLA
+    schedules before the tick's forward, so the forward waits for it
+    (read from the compiled program, docs/accelerators.md);
   - with `deterministic` (run.deterministic), deterministic GPU ops: XLA
     then picks deterministic kernels (scatter-adds such as the embedding's
     gradient, reductions, autotuned algorithms), at some cost in speed, so a
@@ -230,8 +237,7 @@ def gpu_xla_flags(*, deterministic: bool, pipelined: bool) -> list[str]:
   if pipelined:
     flags += ["--xla_gpu_enable_command_buffer=''",
               "--xla_disable_hlo_passes=collective-permute-motion",
-              "--xla_gpu_experimental_pipeline_parallelism_opt_level="
-              "PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE"]
+              "--xla_gpu_experimental_parallel_collective_overlap_limit=2"]
   if deterministic:
     flags.append("--xla_gpu_deterministic_ops=true")
   return flags

@@ -173,7 +173,8 @@ def optimizer(name: str, *, ef: float = 0.0, delay: int = 0, ef_outside: bool = 
 def run(schedule: str, num_stages: int, num_data: int, num_microbatches: int, opt: str, *,
         ef: float = 0.0, delay: int = 0, ef_outside: bool = False, clip: float = 0.0,
         stash: str = "inputs", cfg: ModelConfig = CONFIG, shard_optimizer: bool = True,
-        vocab_parallel: bool = True, virtual_stages: int = 1) -> Run:
+        vocab_parallel: bool = True, virtual_stages: int = 1,
+        overlap_sends: bool = False) -> Run:
   """Trains STEPS steps with a schedule; cached for the session.
 
   `stash` is the pipeline's ('inputs' or 'residuals'); `schedule=none` has no
@@ -181,17 +182,20 @@ def run(schedule: str, num_stages: int, num_data: int, num_microbatches: int, op
   model (CONFIG or a `config(...)` variant); its batches draw tokens from
   its vocabulary. `shard_optimizer` is the schedule's (ZeRO-1 over 'data');
   `vocab_parallel` too (False: the embedding and head whole, on the first and
-  last stage); `virtual_stages` interleaved's chunks per device.
+  last stage); `virtual_stages` interleaved's chunks per device;
+  `overlap_sends` the engine's placement of transfers for GPUs
+  (`Engine(overlap=...)`), off as on any CPU mesh by default.
   """
   if schedule == "none":
     stash, vocab_parallel = "inputs", True
   return _run(schedule, num_stages, num_data, num_microbatches, opt, ef, delay, ef_outside,
-              clip, stash, cfg, shard_optimizer, vocab_parallel, virtual_stages)
+              clip, stash, cfg, shard_optimizer, vocab_parallel, virtual_stages, overlap_sends)
 
 
 @functools.cache
 def _run(schedule, num_stages, num_data, num_microbatches, opt, ef, delay, ef_outside, clip,
-         stash, cfg, shard_optimizer, vocab_parallel, virtual_stages=1) -> Run:
+         stash, cfg, shard_optimizer, vocab_parallel, virtual_stages=1,
+         overlap_sends=False) -> Run:
   """`run`, with every argument explicit so that equal runs share one cache entry.
 
   The step is compiled once, through `lower_step` for its HLO; `step` then
@@ -206,7 +210,8 @@ def _run(schedule, num_stages, num_data, num_microbatches, opt, ef, delay, ef_ou
                       optimizer(opt, ef=ef, delay=delay, ef_outside=ef_outside, clip=clip),
                       make_mesh(num_stages, num_data), m, stash=stash,
                       shard_optimizer=shard_optimizer, vocab_parallel=vocab_parallel,
-                      virtual_stages=virtual_stages)
+                      virtual_stages=virtual_stages,
+                      overlap_sends=overlap_sends if schedule != "none" else None)
   params = jax.tree.map(jnp.asarray, initial_params(cfg))
   state = sch.init(params, (m, ROWS, SEQ))
   losses, norms, loss_steps, hlo = {}, {}, [], None

@@ -109,7 +109,7 @@ def test_xla_flags_become_compile_options():
   assert accel.xla_options(flags) == {
       "xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_command_buffer": "",
       "xla_disable_hlo_passes": "collective-permute-motion",
-      "xla_gpu_experimental_pipeline_parallelism_opt_level": "PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE",
+      "xla_gpu_experimental_parallel_collective_overlap_limit": "2",
       "xla_gpu_deterministic_ops": True}
   assert accel.xla_options(flags, "--xla_gpu_deterministic_ops=false") == {
       k: v for k, v in accel.xla_options(flags).items() if k != "xla_gpu_deterministic_ops"}
@@ -119,7 +119,7 @@ PIPELINE_FLAGS = [
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     "--xla_gpu_enable_command_buffer=''",
     "--xla_disable_hlo_passes=collective-permute-motion",
-    "--xla_gpu_experimental_pipeline_parallelism_opt_level=PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE",
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
     "--xla_gpu_deterministic_ops=true",
 ]
 
@@ -359,6 +359,11 @@ except KeyError:
 mine = sorted(os.sched_getaffinity(own[0]))
 stop.set()
 t.join()
+import time
+for _ in range(500):  # a joined thread can stay listed a moment while the kernel reaps it
+  if str(own[0]) not in os.listdir("/proc/self/task"):
+    break
+  time.sleep(0.01)
 after = set()
 for tid in os.listdir("/proc/self/task"):
   try:

@@ -235,7 +235,8 @@ class Schedule:
   def __init__(self, fns: StageFns, optimizer: optax.GradientTransformation, mesh: Mesh,
                num_microbatches: int, *, stash: str = "inputs", shard_optimizer: bool = True,
                expert_parallel: bool = True, vocab_parallel: bool = True,
-               predict: Optional[Any] = None, virtual_stages: int = 1):
+               predict: Optional[Any] = None, virtual_stages: int = 1,
+               overlap_sends: Optional[bool] = None):
     if not vocab_parallel:
       # The shared parameters whole on every stage: the embedding is used on
       # the first, the head on the last (see `Engine`).
@@ -260,6 +261,11 @@ class Schedule:
       raise ValueError(f"schedule '{self.name}' runs without stages; got a mesh of "
                        f"{self.num_stages} stages")
     self.virtual_stages = virtual_stages
+    # Transfers placed for overlap where they run beside the kernels (GPUs,
+    # TPUs: `Engine(overlap=...)`); on CPU devices a collective is a
+    # barrier, and the tick ends with one exchange.
+    self.overlap_sends = (mesh.devices.flat[0].platform != "cpu" if overlap_sends is None
+                          else overlap_sends)
     check_virtual_stages(self.name, self.num_stages, num_microbatches, virtual_stages)
     need = (min_microbatches(self.name, self.num_stages, virtual_stages)
             if self.pipelined else 1)

@@ -107,6 +107,8 @@ AXES = (STAGE, DATA)
 # own, so that an account tells B from W.
 PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "weight_grad",
                                     "embed_grad", "send", "grad_reduce", "optimizer")}
+# The prefix of each tick loop's named scope, then the work its ticks hold.
+TICKS = "ticks_"
 # Plan arrays with one entry per (tick, stage), fed to the tick loops.
 _ROWS = ("fwd", "bwd", "fwd_version", "bwd_version", "acc", "fwd_slot", "bwd_slot")
 # And with v > 1 chunks per stage, which chunk each forward and backward runs.
@@ -262,7 +264,10 @@ class TickCarry(NamedTuple):
 
   Attributes:
     fwd_buf: [b, t, ...] activation received from stage s-1 last tick.
-    bwd_buf: [b, t, ...] cotangent received from stage s+1 last tick.
+    bwd_buf: [b, t, ...] cotangent received from stage s+1 last tick; with
+      `Engine(overlap=True)` (and no split backward), the cotangent this
+      stage computed in its last backward, which the next tick with a
+      backward sends to stage s-1 first thing.
     stash: by slot: 'x' [R, b, t, ...] stage inputs or 'res' (residual
       rings), 'aux' [R] the forward's auxiliary loss, and for gpipe 'dh'
       [R, b, t, ...] the head's cotangent of the last stage's output.
@@ -349,7 +354,8 @@ class Engine:
   """Runs a `StepPlan` on one stage (inside `shard_map`); see the module docstring."""
 
   def __init__(self, fns: StageFns, plan: StepPlan, *, stash: str = "inputs",
-               solo_stage: Optional[int] = None, rings_in_state: bool = False):
+               solo_stage: Optional[int] = None, rings_in_state: bool = False,
+               overlap: bool = False):
     """Args:
       fns, plan: the model's stage functions and the plan to execute. Where
         `fns.vocab_axes` marks no leaf, the shared parameters are whole on
@@ -363,6 +369,17 @@ class Engine:
         and go out with it (`FlushedState.rings`) rather than being made
         afresh each step; a tick without forwards then still writes them
         (`_touch_trash`).
+      overlap: each transfer placed where the tick's block compute can hide
+        it, for devices whose transfers run beside their kernels (GPUs):
+        the activation is sent as soon as the forward made it (it travels
+        while the backward computes), and the cotangent a backward makes is
+        sent at the start of the next tick with a backward (it travels
+        while that tick's forward computes; `TickCarry.bwd_buf` then holds
+        it until then). With a split backward (zb1) the cotangent is sent
+        as soon as B made it, beside W. The values every tick computes are
+        the same either way. Off, the tick ends with its transfers, at S=2
+        one exchange for both directions: fewer collectives, each a
+        barrier of every stage on a CPU.
     """
     if stash not in STASH_MODES:
       raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
@@ -374,6 +391,7 @@ class Engine:
                        "its forwards, or the plan must stash the head's cotangent")
     self.fns, self.plan, self.stash_mode = fns, plan, stash
     self.solo_stage, self.rings_in_state = solo_stage, rings_in_state
+    self.overlap = overlap and solo_stage is None and plan.num_stages > 1
     self.num_stages = plan.num_stages
     self.chunks = plan.virtual_stages
     self.split = vocab_split(fns.vocab_axes)
@@ -530,7 +548,12 @@ class Engine:
       def body(c, row, kind=kind, gaps=gaps):
         return self._tick(kind, ctx, c, row, gaps)
 
-      carry, g_x0 = lax.scan(body, carry, xs)
+      # Named by the work of its ticks (ticks_f, ticks_b, ticks_fb, zb1's
+      # ticks_fbw), so that a compiled program's loops say which they are
+      # (`jaxpipe.gpu` finds the steady ticks' transfers by it).
+      work = zip("fbw", (kind.fwd, kind.bwd, kind.wgt))
+      with jax.named_scope(TICKS + "".join(p for p, on in work if on)):
+        carry, g_x0 = lax.scan(body, carry, xs)
       # Stage 0's input cotangent of each tick (zeros elsewhere), for the
       # embedding's gradient after the last tick.
       grads_x0.append(g_x0 if kind.bwd else None)
@@ -547,6 +570,14 @@ class Engine:
     """
     accs, losses, stash = list(c.accs), c.losses, c.stash
     send_f, send_b, g_head, g_x0 = jnp.zeros_like(c.fwd_buf), jnp.zeros_like(c.bwd_buf), None, None
+    to_next, to_prev = self._sends()
+    # Overlap: the cotangent the last backward made goes out first thing, and
+    # travels while the forward computes (the backward below reads it).
+    rotate = self.overlap and kind.bwd and self.split_stage is None
+    if rotate:
+      with jax.named_scope(PHASE["send"]):
+        c = c._replace(bwd_buf=lax.ppermute(c.bwd_buf, STAGE, to_prev))
+    fwd_buf = bwd_buf = None
     if kind.fwd:
       y, f_ok, entry = self._forward(kind, ctx, c, row, gaps[0])
       if kind.head_version is not None:
@@ -555,6 +586,9 @@ class Engine:
       with jax.named_scope(PHASE["forward"]):
         stash = self._stash(ctx, row, stash, entry, c.fwd_buf)
       send_f = jnp.where(f_ok, y, jnp.zeros_like(y)).astype(c.fwd_buf.dtype)
+      if self.overlap:  # it travels while the backward computes
+        with jax.named_scope(PHASE["send"]):
+          fwd_buf = lax.ppermute(send_f, STAGE, to_next)
     elif self.rings_in_state:
       stash = self._touch_trash(stash)
     wstash = c.wstash
@@ -566,13 +600,20 @@ class Engine:
           send_b, accs, losses = self._backward(kind, ctx, c, row, stash, g_head, accs, losses,
                                                 gaps[1])
         g_x0 = jnp.where(ctx.is_first, send_b, jnp.zeros_like(send_b))
+      if self.overlap and not rotate:  # zb1: B's cotangent travels while W computes
+        with jax.named_scope(PHASE["send"]):
+          bwd_buf = lax.ppermute(send_b, STAGE, to_prev)
     if kind.wgt:
       with jax.named_scope(PHASE["weight_grad"]):
         accs = self._backward_weights(ctx, row, wstash, accs)
     if self.solo_stage is not None:
       return TickCarry(send_f, send_b, stash, tuple(accs), losses, wstash), g_x0
     with jax.named_scope(PHASE["send"]):
-      fwd_buf, bwd_buf = self._exchange(kind, ctx, c, send_f, send_b)
+      if not self.overlap:
+        fwd_buf, bwd_buf = self._exchange(kind, ctx, c, send_f, send_b)
+      else:
+        fwd_buf = c.fwd_buf if fwd_buf is None else fwd_buf
+        bwd_buf = (send_b if rotate else c.bwd_buf) if bwd_buf is None else bwd_buf
       if self.split_stage is not None:
         fwd_buf, bwd_buf = self._keep_received(ctx, row, c, fwd_buf, bwd_buf)
     return TickCarry(fwd_buf, bwd_buf, stash, tuple(accs), losses, wstash), g_x0

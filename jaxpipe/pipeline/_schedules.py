@@ -106,7 +106,7 @@ class _Pipelined(Schedule):
     self.plan = step_plan(self.name, self.num_stages, self.num_microbatches,
                           self.virtual_stages)
     self.engine = Engine(self.fns, self.plan, stash=self.stash,
-                         rings_in_state=self.keeps_rings)
+                         rings_in_state=self.keeps_rings, overlap=self.overlap_sends)
 
   def _shard_map(self, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
@@ -590,7 +590,9 @@ def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformat
   gradient is taken at, e.g. `jaxpipe.optim.predicted_params`; the update is
   applied to params, and evaluation uses params); `virtual_stages`
   (interleaved only, default 1: the chunks of blocks per device, see
-  `Interleaved`).
+  `Interleaved`); `overlap_sends` (default: on where the mesh's devices
+  are not CPUs; each stage-to-stage transfer placed where the tick's
+  compute hides it, see `Engine`).
   """
   if name not in _CLASSES:
     raise ValueError(f"unknown schedule '{name}'; choose from {', '.join(SCHEDULE_NAMES)}")
