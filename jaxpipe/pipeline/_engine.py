@@ -981,17 +981,26 @@ class Engine:
       if self.split:
         g0 = lax.psum(g0, STAGE)  # stage 0's cotangents, to every stage's rows
       tokens = ctx.tokens[jnp.asarray(np.maximum(e.backwards, 0))]
-      # A lookup's gradient depends on the table's shape, not its values: any
-      # version serves.
-      _, pull = jax.vjp(lambda t: self._lookup(ctx, t, tokens), ctx.shared[0])
-      accs = list(carry.accs)
-      for a in sorted({int(x) for x in e.grad_accs}):
-        mine = jnp.asarray(e.grad_accs == a).reshape((-1,) + (1,) * (g0.ndim - 1))
-        (g_e,) = pull(make_varying(jnp.where(mine, g0, jnp.zeros_like(g0))))
+
+      def add_microbatch(acc, item):
+        g, toks, mine = item
+        # A lookup's gradient depends on the table's shape, not its values:
+        # any version serves.
+        _, pull = jax.vjp(lambda t: self._lookup(ctx, t, toks), ctx.shared[0])
+        (g_e,) = pull(make_varying(jnp.where(mine, g, jnp.zeros_like(g))))
         # No validity mask: an empty slot's cotangent is zero, and
         # `acc + scatter(0)` is what XLA turns into a scatter-add in place.
-        accs[a] = (accs[a][0], jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype),
-                                            accs[a][1], g_e))
+        return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g_e), None
+
+      accs = list(carry.accs)
+      for a in sorted({int(x) for x in e.grad_accs}):
+        # One microbatch's rows at a time: a scatter-add's temporaries grow
+        # with its update, and XLA's deterministic scatter on GPUs sorts the
+        # whole update by row, through float32, int32 and predicate copies of
+        # it (docs/accelerators.md measures what this saves).
+        mine = jnp.asarray(e.grad_accs == a)
+        shared_acc, _ = lax.scan(add_microbatch, accs[a][1], (g0, tokens, mine))
+        accs[a] = (accs[a][0], shared_acc)
       return carry._replace(accs=tuple(accs))
 
   @staticmethod
