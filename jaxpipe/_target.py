@@ -1,4 +1,4 @@
-"""The platform a program is traced for: the running backend's, or the target of a compile ahead of time.
+"""The platform a program is traced for: the running backend's, or an ahead-of-time target's.
 
 Some choices are made while a step is traced and depend on the hardware
 that will run it: the attention kernel (cuDNN's fused attention on NVIDIA

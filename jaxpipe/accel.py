@@ -10,7 +10,11 @@
   `model.remat`, the chunked head, the attention kernels' own backward).
 - `gpu_expected()` and `gpu_xla_flags(...)`: before JAX starts, whether this
   process will run on NVIDIA GPUs, and the XLA flags the launcher then adds
-  (`merge_xla_flags`: a flag the user already set in XLA_FLAGS wins).
+  (`merge_xla_flags`: a flag the user already set in XLA_FLAGS wins);
+  `xla_options(...)`, the same flags as one compile's options (`jaxpipe.gpu`
+  compiles for GPUs with them); `cuda_plugin_installed()`,
+  `nvidia_driver_loaded()` and `cpu_without_driver()`: jaxlib's CUDA plugin
+  on a machine without NVIDIA's driver runs JAX on the CPU, quietly.
 - `cpu_xla_flags()`: the XLA flags the launcher adds elsewhere, for a run
   of one process (XLA's CPU compiler orders each program for memory, not
   for concurrency); `xla_default_order_flags()`, the planner's.
@@ -44,7 +48,8 @@ from typing import Any, Collection, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "StepFlops", "step_flops", "gpu_expected",
            "gpu_xla_flags", "nvidia_driver_loaded", "cuda_plugin_installed",
-           "cpu_without_driver", "xla_options", "merge_xla_flags", "cpu_xla_flags", "xla_default_order_flags",
+           "cpu_without_driver", "xla_options", "merge_xla_flags", "cpu_xla_flags",
+           "xla_default_order_flags",
            "CPU_MALLOC", "ONE_ARENA", "tune_cpu_malloc", "thread_ids", "start_backend",
            "epoll_threads", "make_idle_class", "device_memory", "write_device_memory",
            "enable_compile_cache"]

@@ -42,7 +42,7 @@ def test_dry_run_without_the_data_stack(tmp_path):
   assert p.returncode == 0, p.stderr[-3000:]
   report = json.loads((out / "device_check.json").read_text())
   parts = report["parts"]
-  assert list(parts) == ["environment", "attention", "train", "memory", "generate"]
+  assert list(parts) == ["environment", "attention", "train", "memory", "generate", "projection"]
   assert {name: part["status"] for name, part in parts.items()} == dict.fromkeys(parts, "ok")
   assert parts["environment"]["dry_run"] and parts["environment"]["backend"] == "cpu"
   # No cuDNN on a CPU: blockwise and XLA's bfloat16 attention against float32, within tolerance.
@@ -54,6 +54,12 @@ def test_dry_run_without_the_data_stack(tmp_path):
   assert parts["memory"]["planner_estimate_gib"] > 0 and parts["memory"]["planner_xla_cpu_gib"] > 0
   assert parts["memory"]["runtime_peak_gib"] is None         # the CPU reports no memory
   assert [len(t) for t in parts["generate"]["new_tokens"]] == [device_check.DRY.new_tokens] * 2
+  # The same step compiled for an H100 target here and projected; a CPU is not compared with it.
+  projection = parts["projection"]
+  if "skipped" not in projection:
+    assert projection["kind"] == "h100" and projection["projected_step_s"] > 0
+    assert projection["attention"]["implementation"] == "cudnn"
+    assert projection["measured_step_s"] is None and projection["projected_resident_gib"] > 0
   md = (out / "device_check.md").read_text()
   assert "## attention: ok" in md and "## generate: ok" in md
 

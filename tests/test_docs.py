@@ -27,6 +27,8 @@ def test_readme_opens_with_the_two_commands():
   # .ci/run takes the line two below "Run the tests:" (the line after ```bash).
   at = next(i for i, l in enumerate(lines) if l.startswith("Run the tests:"))
   assert lines[at + 2] == commands[1]
+  # The tests' environment brings jaxlib's CUDA plugin: test_gpu.py compiles for GPU targets.
+  assert "install -q -e '.[dev,cuda]'" in commands[1]
 
 
 def test_relative_links_point_at_files():

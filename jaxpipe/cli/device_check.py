@@ -21,6 +21,13 @@ error and traceback are recorded instead):
                its CPU compilation of the same step (tools/planner.py
                --compile --json, run on the CPU in a subprocess).
   generate     a short greedy generation from the trained weights.
+  projection   the same step compiled for this GPU's kind without using it
+               (`tools/planner.py --gpu KIND`, on the CPU in a subprocess:
+               `jaxpipe.gpu`), its projected step time and memory beside
+               what `train` measured and XLA's analysis on the device: the
+               projection's error, measured. Skipped, saying why, where the
+               device's kind has no target (jaxpipe/gpu/targets) or the
+               dry run has no GPU.
 
 Results go to OUT/device_check.json and OUT/device_check.md, rewritten after
 every part, so a run stopped early keeps what it finished. A part that would
@@ -168,6 +175,7 @@ def check_train(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
                               steps=sizes.train_steps - 2, warmup=2, peak=peak,
                               devices=jax.devices()[:1], say=notes.append, keep_params=True)
   state["params"], state["cfg"], state["xla_gib"] = params, cfg, row.xla_gib
+  state["row"] = dataclasses.asdict(row)
   return {"config": CONFIG, "overrides": list(sizes.overrides), "steps": sizes.train_steps,
           "batch_shape": f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens, {m} microbatches",
           "notes": notes, **dataclasses.asdict(row)}
@@ -233,6 +241,46 @@ def check_environment(dry_run: bool) -> dict[str, Any]:
           "peak_tflops": accel.device_peak_tflops(kind),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "dry_run": dry_run}
+
+
+def _kind_of(device_kind: str) -> Optional[str]:
+  """The `jaxpipe.gpu` kind whose target reports `device_kind`, else None."""
+  from jaxpipe import gpu  # pylint: disable=g-import-not-at-top
+  return next((name for name, k in gpu.KINDS.items() if k.device_kind == device_kind), None)
+
+
+def check_projection(sizes: Sizes, state: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+  """The train part's step compiled for this GPU's kind on the CPU: projected beside measured."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxpipe import gpu  # pylint: disable=g-import-not-at-top
+  missing = gpu.cuda_plugin_missing()
+  if missing:
+    return {"skipped": missing}
+  # The dry run projects an H100 for the code path; a CPU's times are not compared with it.
+  device_kind = "NVIDIA H100 80GB HBM3" if dry_run else jax.devices()[0].device_kind
+  kind = _kind_of(device_kind)
+  if kind is None:
+    return {"skipped": f"no GPU target describes a {device_kind} (jaxpipe/gpu/targets)"}
+  overrides = ["pipeline.schedule=none", "pipeline.stages=1", "mesh.data=1",
+               f"model.vocab_size={sizes.vocab}", "data.tokenizer=byte", *sizes.overrides]
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+  env.pop("XLA_FLAGS", None)  # the planner sets its own
+  p = subprocess.run([sys.executable, "-m", "jaxpipe.cli.planner", "--config",
+                      os.path.join(ROOT, CONFIG), "--gpu", kind, "--json", *overrides],
+                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+  if p.returncode != 0:
+    raise RuntimeError(f"the planner failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+  g = json.loads(p.stdout)["gpu"]
+  measured_s = None if dry_run else (state.get("row") or {}).get("step_s")
+  measured_gib = None if dry_run else state.get("xla_gib")
+  ratio = lambda a, b: None if a is None or b is None or not b else a / b
+  return {"kind": kind, "device_kind": device_kind,
+          "projected_step_s": g["projected_step_s"], "measured_step_s": measured_s,
+          "measured_over_projected": ratio(measured_s, g["projected_step_s"]),
+          "projected_mfu": g["projected_mfu"],
+          "projected_resident_gib": g["resident_gib"], "measured_xla_gib": measured_gib,
+          "attention": g["attention"], "compile_s": g["compile_s"]}
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -316,7 +364,8 @@ def main(argv: Optional[list[str]] = None) -> int:
            ("attention", lambda: check_attention(sizes, args.dry_run)),
            ("train", lambda: check_train(sizes, state)),
            ("memory", lambda: check_memory(sizes, state)),
-           ("generate", lambda: check_generate(sizes, state))]
+           ("generate", lambda: check_generate(sizes, state)),
+           ("projection", lambda: check_projection(sizes, state, args.dry_run))]
   say = lambda msg: print(msg, file=sys.stderr, flush=True)
   ok = run_parts(parts, args.out, report, args.budget_s, say)
   say(f"device_check: results in {os.path.join(args.out, 'device_check.md')} and .json")

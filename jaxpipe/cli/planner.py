@@ -5,6 +5,7 @@
       --device-gib 24
   python tools/planner.py --config configs/tiny.yaml pipeline.schedule=2bw \
       pipeline.stages=2 --compile
+  python tools/planner.py --config configs/smollm-135m.yaml --gpu h100 [--nodes N] [--json]
 
 Nothing runs and, without --compile, nothing compiles: every shape comes from
 `jax.eval_shape` of the model's init, the optimizer's init and each schedule's
@@ -26,7 +27,11 @@ mean; the steady-state bubble of each schedule from the engine's plan; and
 warnings: M too small for 2bw (it needs M >= 2(S-1)), a synchronous schedule
 idling more than --max-bubble of every step, a total above --device-gib,
 stages more than 10% apart. --compile also compiles the config's step ahead
-of time on the emulated devices and prints XLA's memory per device.
+of time on the emulated devices and prints XLA's memory per device. --gpu
+KIND compiles it for NVIDIA GPUs of that kind over --nodes N nodes with
+XLA's GPU compiler (jaxlib's CUDA plugin, the cuda extra; no GPU is used)
+and prints what the GPU program holds and a projected step
+(`jaxpipe.gpu`; with --json under `gpu`).
 
 A bad config exits with status 2 and one line on stderr.
 """

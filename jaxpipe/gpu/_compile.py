@@ -43,7 +43,7 @@ _JAX_MEM_FRACTION = 0.75
 
 
 def usable_fraction(env: Optional[dict[str, str]] = None) -> float:
-  """The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75)."""
+  """The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION or 0.75)."""
   env = os.environ if env is None else env
   try:
     return float(env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", _JAX_MEM_FRACTION))
@@ -52,7 +52,7 @@ def usable_fraction(env: Optional[dict[str, str]] = None) -> float:
 
 
 def topology_devices(gpu: GpuKind, nodes: int, per_node: int) -> list[Any]:
-  """Compile-only devices of `nodes` nodes of `per_node` GPUs of kind `gpu` (process index = node)."""
+  """Compile-only devices: `nodes` nodes of `per_node` GPUs of kind `gpu` (process index = node)."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   topo = topologies.get_topology_desc("jaxpipe", "cuda", target_config=target_text(gpu),
                                       topology=f"1x{nodes}x{per_node}")
