@@ -611,9 +611,11 @@ class Engine:
     with jax.named_scope(PHASE["send"]):
       if not self.overlap:
         fwd_buf, bwd_buf = self._exchange(kind, ctx, c, send_f, send_b)
-      else:
-        fwd_buf = c.fwd_buf if fwd_buf is None else fwd_buf
-        bwd_buf = (send_b if rotate else c.bwd_buf) if bwd_buf is None else bwd_buf
+      else:  # sent above; a direction this tick has no work in keeps its buffer
+        if fwd_buf is None:
+          fwd_buf = c.fwd_buf
+        if bwd_buf is None:  # rotated: this tick's cotangent waits for the next
+          bwd_buf = send_b if rotate else c.bwd_buf
       if self.split_stage is not None:
         fwd_buf, bwd_buf = self._keep_received(ctx, row, c, fwd_buf, bwd_buf)
     return TickCarry(fwd_buf, bwd_buf, stash, tuple(accs), losses, wstash), g_x0
