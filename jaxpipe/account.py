@@ -49,12 +49,13 @@ import collections
 import glob
 import gzip
 import json
-import math
 import os
 import re
 import statistics
 import time
 from typing import Any, Callable, Iterable, Optional
+
+from jaxpipe import hlo
 
 __all__ = ["COLLECTIVES", "hlo_ops", "hlo_transfers", "read_trace", "account", "partitions_of",
            "profile_steps", "summarise"]
@@ -90,17 +91,7 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
   return out
 
 
-# An array in a shape: its element type and dimensions (f32[2,64,256], pred[], s4[8]).
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _PAIRS = re.compile(r"source_target_pairs=\{([^=]*)\}")
-
-
-def _dtype_bits(dtype: str) -> int:
-  """Bits per element of an HLO element type: the width its name carries (f8e4m3fn: 8)."""
-  if dtype == "pred":
-    return 8
-  m = re.match(r"[a-z]+(\d+)", dtype)
-  return int(m.group(1)) if m else 0   # token[]: no data
 
 
 def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset[int]]]]:
@@ -122,14 +113,13 @@ def hlo_transfers(hlo_text: str) -> dict[str, tuple[str, int, Optional[frozenset
     if opcode.endswith("-done") or kind not in COLLECTIVES:
       continue
     result = line[line.index("=") + 1:line.index(f"{opcode}(")]
-    arrays = _ARRAY.findall(result)
+    arrays = hlo.arrays(result)
     if opcode in ("collective-permute-start", "all-gather-start"):
       # Their result is (operands, results, then u32[] contexts): the results alone.
-      while len(arrays) > 2 and arrays[-1] == ("u32", ""):
+      while len(arrays) > 2 and arrays[-1] == ("u32", ()):
         arrays.pop()
       arrays = arrays[len(arrays) // 2:]
-    size = sum(-(-_dtype_bits(t) * math.prod(int(d) for d in dims.split(",") if d) // 8)
-               for t, dims in arrays)
+    size = sum(hlo.array_bytes(t, dims) for t, dims in arrays)
     sources = None
     pairs = _PAIRS.search(line)
     if kind == "collective-permute" and pairs:

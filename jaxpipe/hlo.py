@@ -26,7 +26,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-__all__ = ["Instruction", "Computation", "Module", "arrays", "shape_bytes", "dtype_bits",
+__all__ = ["Instruction", "Computation", "Module", "arrays", "array_bytes", "shape_bytes",
+           "dtype_bits",
            "trip_count", "matmul_flops", "collective_groups", "COLLECTIVE_KINDS"]
 
 # Collectives by their synchronous opcode; asynchronous ones are `<kind>-start`
@@ -55,9 +56,14 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
   return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape)]
 
 
+def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
+  """Bytes of one array: its elements at their width, rounded up (s4 packs two a byte)."""
+  return -(-dtype_bits(dtype) * math.prod(dims) // 8)
+
+
 def shape_bytes(shape: str) -> int:
   """Bytes of a shape (every array of a tuple), from its text."""
-  return sum(math.prod(dims) * dtype_bits(t) // 8 for t, dims in arrays(shape))
+  return sum(array_bytes(t, dims) for t, dims in arrays(shape))
 
 
 def _balanced(text: str, start: int, open_: str = "(", close: str = ")") -> int:

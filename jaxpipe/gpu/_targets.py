@@ -12,6 +12,7 @@ name the device reports).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.resources
 import re
@@ -38,9 +39,9 @@ class GpuKind:
   link_gbps: float
   summary: str
 
-  @property
+  @functools.cached_property
   def text(self) -> str:
-    """The target file's text, as shipped."""
+    """The target file's text, as shipped (read once)."""
     return importlib.resources.files("jaxpipe.gpu").joinpath("targets", self.file).read_text()
 
   def _field(self, key: str) -> str:
