@@ -13,6 +13,7 @@ so tools can read configs cheaply.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import io
 import json
@@ -349,6 +350,32 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
   raise TypeError(f"unsupported config field type {typ!r} for {key}")
 
 
+def _closest(name: str, choices: Sequence[str]) -> str | None:
+  """The choice nearest to `name` in spelling (difflib's ratio >= 0.6, any case), or None."""
+  lowered = {c.lower(): c for c in choices}
+  near = difflib.get_close_matches(name.lower(), list(lowered), n=1)
+  return lowered[near[0]] if near else None
+
+
+def _corrected(parts: Sequence[str], schema: Mapping[str, Any]) -> str | None:
+  """The valid dotted key nearest to `parts`, corrected one part at a time.
+
+  `schema` is `to_dict(Config())`. None when some part has no near match,
+  or when the key it leads to is a section rather than a setting, since an
+  override sets one value.
+  """
+  out = []
+  for part in parts:
+    if not isinstance(schema, Mapping):
+      return None
+    name = part if part in schema else _closest(part, list(schema))
+    if name is None:
+      return None
+    out.append(name)
+    schema = schema[name]
+  return None if isinstance(schema, Mapping) else ".".join(out)
+
+
 def _build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
   hints = typing.get_type_hints(cls)
   names = [f.name for f in dataclasses.fields(cls)]
@@ -356,8 +383,10 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
   for key, value in values.items():
     if key not in hints:
       where = prefix[:-1] or "the top level"
+      near = _closest(key, names)
+      hint = f" (did you mean '{prefix}{near}'?)" if near else ""
       raise ConfigError(
-          f"unknown config key '{prefix}{key}'; valid keys in {where}: "
+          f"unknown config key '{prefix}{key}'{hint}; valid keys in {where}: "
           f"{', '.join(names)}")
     kwargs[key] = _coerce(prefix + key, value, hints[key])
   return cls(**kwargs)
@@ -396,8 +425,10 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     for depth, part in enumerate(parts):
       if not isinstance(schema, dict) or part not in schema:
         known = ", ".join(schema) if isinstance(schema, dict) else ""
+        near = _corrected(parts, valid)
         raise ConfigError(
             f"unknown config key '{dotted}'"
+            + (f" (did you mean '{near}'?)" if near else "")
             + (f"; valid keys in '{'.'.join(parts[:depth]) or 'the top level'}': {known}"
                if known else ""))
       schema = schema[part]

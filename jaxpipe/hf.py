@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
+from jaxpipe._files import file_mode
 from jaxpipe.errors import InputError
 
 __all__ = ["read_config", "overrides", "check_config", "load_params", "save", "to_tensors",
@@ -549,6 +550,9 @@ def save(path: str, cfg_model: Any, params: Mapping[str, Any], tokenizer: Any = 
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   # transformers refuses safetensors files without the 'format' metadata.
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  # safetensors writes a private temporary file (0600) and renames it; give
+  # it the mode of the files written beside it.
+  os.chmod(os.path.join(path, "model.safetensors"), file_mode())
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   with open(os.path.join(path, "generation_config.json"), "w") as f:

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 
@@ -457,7 +458,8 @@ def test_prepare_data_cli(tmp_path):
   summary = run.stdout.strip().splitlines()
   assert len(summary) == 1 and str(out) in summary[0] and "train" in summary[0]
   assert summary[0].endswith(
-      "; skipped 2 files of unknown type: src/ignored.csv, src/sub/figure.png"), summary[0]
+      "; skipped 1 file, not a text extension (name it to include it): src/ignored.csv"
+      "; skipped 1 file, not UTF-8 text: src/sub/figure.png"), summary[0]
   data = jd.open_tokens(out)
   tok = jd.get_tokenizer("byte")
   train = tok.decode(data.split("train"))
@@ -471,6 +473,9 @@ def test_prepare_data_cli(tmp_path):
   assert "From an array.<|endoftext|>" in train and "a,b" not in train + val
   assert len(data.meta["sources"]) == 4 and "corpus" not in train + val
   assert data.meta["skipped_files"] == [str(src / "ignored.csv"), str(src / "sub" / "figure.png")]
+  assert data.meta["skipped_reasons"] == {
+      str(src / "ignored.csv"): "not a text extension (name it to include it)",
+      str(src / "sub" / "figure.png"): "not UTF-8 text"}
 
   too_long = ["--val-fraction", "0.2", "--seq-len", "4096", str(src)]
   for culprit, args in (("missing.txt", [str(src / "missing.txt")]),
@@ -484,6 +489,82 @@ def test_prepare_data_cli(tmp_path):
     assert len(lines) == 1 and culprit in lines[0] and "Traceback" not in bad.stderr, lines
     assert not (tmp_path / "out2").exists()
   assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+# The start of a PNG file: invalid UTF-8 in its second byte, as binaries are.
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
+
+
+def test_prepare_data_reads_a_text_file_named_whatever_its_name(tmp_path, capsys):
+  """LICENSE, README, notes.log: a text file named itself is read as a .txt."""
+  (tmp_path / "LICENSE").write_text("Permission is granted.\n\nTo everyone.\n\nFree of charge.\n")
+  (tmp_path / "run.log").write_text("step 1\n\nstep 2\n")
+  code = _tool().main(["--tokenizer", "byte", "--out", str(tmp_path / "out"), "--quiet",
+                       "--val-fraction", "0.5", "--seq-len", "3",
+                       str(tmp_path / "LICENSE"), str(tmp_path / "run.log")])
+  assert code == 0, capsys.readouterr().err
+  data = jd.open_tokens(tmp_path / "out")
+  tok = jd.get_tokenizer("byte")
+  # Units: LICENSE's three paragraphs (0-2), then run.log's two (3-4); odd ones are val.
+  assert tok.decode(data.split("train")) == (
+      "Permission is granted.\n\nFree of charge.<|endoftext|>step 2<|endoftext|>")
+  assert tok.decode(data.split("val")) == "To everyone.<|endoftext|>step 1<|endoftext|>"
+  assert data.meta["sources"] == [str(tmp_path / "LICENSE"), str(tmp_path / "run.log")]
+  assert data.meta["skipped_files"] == []
+
+
+def test_prepare_data_says_which_files_of_a_folder_it_skipped_and_why(tmp_path, capsys):
+  src = tmp_path / "data"
+  src.mkdir()
+  (src / "a.txt").write_text("one\n\ntwo\n\nthree\n")
+  (src / "x.bin").write_bytes(PNG)
+  (src / "LICENSE").write_text("Text, but not by its name.\n")
+  code = _tool().main(["--tokenizer", "byte", "--out", str(tmp_path / "out"), "--quiet",
+                       "--val-fraction", "0.5", "--seq-len", "3", str(src)])
+  out, err = capsys.readouterr()
+  assert code == 0 and err == "", err
+  lines = out.strip().splitlines()
+  assert len(lines) == 1, lines
+  # The folder rule is unchanged: by extension. LICENSE sorts before x.bin.
+  assert lines[0].endswith(
+      f"; skipped 1 file, not a text extension (name it to include it): {src / 'LICENSE'}"
+      f"; skipped 1 file, not UTF-8 text: {src / 'x.bin'}"), lines[0]
+  data = jd.open_tokens(tmp_path / "out")
+  assert data.meta["sources"] == [str(src / "a.txt")]
+  assert data.meta["skipped_reasons"] == {
+      str(src / "LICENSE"): "not a text extension (name it to include it)",
+      str(src / "x.bin"): "not UTF-8 text"}
+  assert "Text, but" not in jd.get_tokenizer("byte").decode(data.split("train"))
+
+
+@pytest.mark.parametrize("content", [PNG, "UTF-16 text".encode("utf-16"),
+                                     b"NUL\x00in valid UTF-8"])
+def test_prepare_data_refuses_a_named_file_that_is_not_text(tmp_path, capsys, content):
+  (tmp_path / "a.txt").write_text("one\n\ntwo\n\nthree\n")
+  (tmp_path / "blob").write_bytes(content)
+  code = _tool().main(["--tokenizer", "byte", "--out", str(tmp_path / "out"), "--quiet",
+                       str(tmp_path / "a.txt"), str(tmp_path / "blob")])
+  captured = capsys.readouterr()
+  assert code == 2 and captured.out == ""
+  assert captured.err == (f"prepare_data: {tmp_path / 'blob'}: not UTF-8 text; give UTF-8 "
+                          "text files (any name), or .jsonl, .json or .parquet files\n")
+  assert sorted(os.listdir(tmp_path)) == ["a.txt", "blob"]  # nothing written
+
+
+def test_a_dataset_takes_the_modes_the_umask_gives(tmp_path):
+  """A dataset is readable by whoever may read its neighbours: 0777/0666 & ~umask, not 0700."""
+  # 0o077 as well: the modes follow the umask, they are not set to fixed values.
+  for umask, folder, files in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
+    out = tmp_path / f"data-{umask:03o}"
+    old = os.umask(umask)
+    try:
+      write_arange(out, n=50)
+    finally:
+      os.umask(old)
+    modes = {p: stat.S_IMODE(os.stat(out / p).st_mode) for p in ["", *os.listdir(out)]}
+    assert {"", "meta.json", "train.bin", "val.bin"} <= set(modes), modes
+    assert {k: oct(v) for k, v in modes.items()} == {
+        k: oct(folder if k == "" else files) for k in modes}
 
 
 def _tool():
@@ -503,7 +584,8 @@ def test_prepare_data_names_a_few_skipped_files(tmp_path, capsys):
   out = capsys.readouterr().out.strip().splitlines()
   assert len(out) == 1
   names = ", ".join(str(src / f"img{i}.png") for i in range(5))
-  assert out[0].endswith(f"; skipped 7 files of unknown type: {names} and 2 more"), out[0]
+  assert out[0].endswith("; skipped 7 files, not a text extension (name it to include it): "
+                         f"{names} and 2 more"), out[0]
   assert len(jd.open_tokens(tmp_path / "out").meta["skipped_files"]) == 7
 
 
@@ -527,7 +609,7 @@ def test_prepare_data_minimum_is_the_trainers(tmp_path):
 @pytest.mark.parametrize("case", ["unknown tokenizer", "empty dir", "bad jsonl", "missing key",
                                   "exists", "bad fraction", "not utf8", "parquet",
                                   "no val", "usage", "zero fraction", "short val",
-                                  "short train", "bad seq len", "unknown type",
+                                  "short train", "bad seq len", "binary named",
                                   "only other types"])
 def test_prepare_data_bad_input(tmp_path, capsys, case):
   prepare_data = _tool()
@@ -570,9 +652,9 @@ def test_prepare_data_bad_input(tmp_path, capsys, case):
     args += ["--val-fraction", "0.5", "--seq-len", "4"]
   elif case == "bad seq len":
     args += ["--seq-len", "0"]
-  elif case == "unknown type":
-    (src / "table.csv").write_text("a,b\n")
-    args.append(str(src / "table.csv"))
+  elif case == "binary named":  # named itself, so read whatever its name: if it is text
+    (src / "figure.png").write_bytes(PNG)
+    args.append(str(src / "figure.png"))
   elif case == "only other types":
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "table.csv").write_text("a,b\n")
@@ -593,7 +675,7 @@ def test_prepare_data_bad_input(tmp_path, capsys, case):
       "short train": "the train split would hold 2 tokens, fewer than one sequence of "
                      "seq_len+1 = 5; add text or lower --seq-len",
       "bad seq len": "seq_len 0 is not an integer >= 1",
-      "unknown type": "table.csv: unknown input type",
+      "binary named": "figure.png: not UTF-8 text; give UTF-8 text files (any name), or ",
       "only other types": "no .txt, .md, .jsonl, .json or .parquet files in this directory "
                           "(only 1 of other types: ",
   }

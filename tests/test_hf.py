@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 
 import jax
 import numpy as np
@@ -325,6 +326,32 @@ def test_moe_export_and_bad_runs_are_refused(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "has no complete checkpoint" in err and err.count("\n") == 1
   assert not os.path.exists(out)
+
+
+def _modes(root):
+  """(mode of `root`, {file name: mode}) for a folder of files, permission bits only."""
+  return (stat.S_IMODE(os.stat(root).st_mode),
+          {name: stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode)
+           for name in sorted(os.listdir(root))})
+
+
+def test_export_takes_the_modes_the_umask_gives(tmp_path, cache):
+  """An export is readable by whoever may read its neighbours: 0777/0666 & ~umask, not 0700."""
+  run_dir = str(tmp_path / "run")
+  _train(run_dir, cache, "run.steps=1", "checkpoint.every=1", "pipeline.schedule=none",
+         "pipeline.stages=1")
+  # 0o077 as well: the modes follow the umask, they are not set to fixed values.
+  for umask, folder, files in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
+    out = tmp_path / f"hf-{umask:03o}"
+    old = os.umask(umask)
+    try:
+      export_hf.export(run_dir, str(out))
+    finally:
+      os.umask(old)
+    mode, modes = _modes(out)
+    assert {"model.safetensors", "tokenizer.json", export_hf.MARKER} <= set(modes), modes
+    assert (oct(mode), {k: oct(v) for k, v in modes.items()}) == (
+        oct(folder), dict.fromkeys(modes, oct(files)))
 
 
 def _checksums(root):

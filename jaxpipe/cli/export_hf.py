@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from jaxpipe import accel
+from jaxpipe._files import fresh_dir
 from jaxpipe.cli._common import Parser, run_reported
 from jaxpipe.data import BUILTIN_TOKENIZERS
 from jaxpipe.errors import InputError
@@ -122,7 +123,8 @@ def export(run_dir: str, out: str, *, step: int | None = None, tokenizer: str | 
   out = os.path.abspath(out)
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+  # Not mkdtemp: its 0700 would make the export unreadable to the user's group.
+  tmp = fresh_dir(parent, f".{os.path.basename(out)}.tmp-")
   try:
     try:
       hf.save(tmp, cfg.model, params, tokenizer=spec,

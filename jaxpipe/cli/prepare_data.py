@@ -7,14 +7,17 @@
 
 Inputs: .txt and .md files (one document each), .jsonl/.json with one object per
 line holding the text in --text-key, .parquet shards with a --text-key column
-(needs pyarrow); directories are searched recursively, and the files of other
-types in them are skipped and named in the summary line and in meta.json
-(hidden files and folders are passed over). Every k-th paragraph or document
-(k = 1 / --val-fraction, which must be in (0, 0.5]) goes to the val split.
-Both splits must hold one sequence of --seq-len + 1 tokens (default 2048, the
-seq_len of the smollm and moe-10b configs; give the data.seq_len you will
-train with). The output appears only when complete. Bad input exits with
-status 2, one line on stderr and nothing written.
+(needs pyarrow), and any other UTF-8 text file named itself (LICENSE, README),
+read as a .txt. Directories are searched recursively for those extensions;
+their other files are skipped and named with the reason (not UTF-8 text, or
+text without one of those extensions: name it to include it) in the summary
+line and in meta.json; hidden files and folders are passed over. Every k-th
+paragraph or document (k = 1 / --val-fraction, which must be in (0, 0.5])
+goes to the val split. Both splits must hold one sequence of --seq-len + 1
+tokens (default 2048, the seq_len of the smollm and moe-10b configs; give the
+data.seq_len you will train with). The output appears only when complete. Bad
+input (a file named itself that is not UTF-8 text, say) exits with status 2,
+one line on stderr and nothing written.
 """
 
 from __future__ import annotations
@@ -25,6 +28,21 @@ import time
 
 from jaxpipe.cli._common import Parser, run_reported
 from jaxpipe.data import name_some, prepare_files
+
+
+def _skipped(meta: dict) -> str:
+  """'; skipped N files, REASON: names' for each reason the input folders' files were skipped.
+
+  Reasons in the order of their first file; '' when nothing was skipped.
+  """
+  reasons = meta.get("skipped_reasons", {})
+  groups: dict[str, list[str]] = {}
+  for path in meta.get("skipped_files", []):
+    # Named as the user can find them: relative to here when they lie below it.
+    name = path if os.path.relpath(path).startswith("..") else os.path.relpath(path)
+    groups.setdefault(reasons.get(path, "of unknown type"), []).append(name)
+  return "".join(f"; skipped {len(names)} file{'s' if len(names) != 1 else ''}, {why}: "
+                 f"{name_some(names)}" for why, names in groups.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,13 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
   def summary(data) -> str:
     sizes = ", ".join(f"{data.num_tokens(s):,} {s}" for s in data.split_names)
-    skipped = data.meta.get("skipped_files", [])
-    # Named as the user can find them: relative to here when they lie below it.
-    names = [p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in skipped]
-    also = (f"; skipped {len(names)} file{'s' if len(names) != 1 else ''} of unknown type: "
-            f"{name_some(names)}" if names else "")
     return (f"prepare_data: {sizes} tokens ({data.tokenizer}, vocab {data.vocab_size}) in "
-            f"{time.perf_counter() - start:.1f}s -> {data.path}{also}")
+            f"{time.perf_counter() - start:.1f}s -> {data.path}{_skipped(data.meta)}")
 
   return run_reported("prepare_data", lambda: prepare_files(
       args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,

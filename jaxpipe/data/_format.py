@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from jaxpipe._files import fresh_dir
 from jaxpipe.data._tokenizers import BUILTIN_TOKENIZERS
 from jaxpipe.errors import DataError
 
@@ -428,7 +429,8 @@ class TokenWriter:
     self._extra = dict(meta_extra or {})
     parent, base = os.path.split(self.out_dir)
     os.makedirs(parent, exist_ok=True)
-    self._tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    # Not mkdtemp: its 0700 would make the dataset unreadable to the user's group.
+    self._tmp = fresh_dir(parent, f".{base}.tmp-")
     self._files: dict[str, Any] = {}
     self._done = False
     try:

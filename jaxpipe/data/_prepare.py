@@ -3,17 +3,21 @@
 Inputs, found in the given files and (recursively) directories:
   .txt .md              a file is one document; its paragraphs (blocks separated
                         by blank lines) are the units of the train/val split
+  any other name        the same, when the file is named itself and is UTF-8
+                        text (LICENSE, README, notes.log)
   .jsonl .json          one JSON object per line (or a JSON array of objects); the
                         string field `text_key` of each is one document
   .parquet              FineWeb-Edu-style shards: column `text_key`, one document
                         per row (needs pyarrow)
   .txt.gz .md.gz .jsonl.gz .json.gz   the same, gzip-compressed
 
-Other files in an input directory are skipped and named in meta.json
-("skipped_files"), so a folder with images or spreadsheets beside the text
-still works and says what it left out; hidden files and folders (.git, say)
-are passed over without a word. A file named on the command line must be of
-one of the kinds above.
+In an input directory only the kinds above with their extensions are read.
+The other files are skipped and named in meta.json ("skipped_files"), each
+with its reason in "skipped_reasons": not UTF-8 text (an image, an archive), or
+UTF-8 text without one of those extensions, which is read when named itself.
+A folder with images or spreadsheets beside the text thus still works and
+says what it left out; hidden files and folders (.git, say) are passed over
+without a word. A file named itself that is not UTF-8 text is refused.
 
 Validation takes every k-th unit (k = round(1 / val_fraction)), counted over all
 inputs in sorted order: deterministic, spread evenly through the data, and
@@ -26,6 +30,7 @@ training sequence, seq_len + 1 tokens, or nothing is written.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import importlib.util
 import json
@@ -42,6 +47,13 @@ __all__ = ["prepare_files", "find_inputs"]
 _KINDS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json",
           ".parquet": "parquet"}
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r]*\n")
+# Why a file of an input directory was skipped (meta.json's skipped_reasons).
+_NOT_TEXT = "not UTF-8 text"
+_NOT_NAMED = "not a text extension (name it to include it)"
+# Enough of a file's start to tell text from an image or an archive (whose
+# headers hold NULs or invalid UTF-8 within the first few bytes) without
+# reading a folder of large binaries whole.
+_SNIFF_BYTES = 8192
 # Tokenise in batches of about this many characters: big enough for the
 # tokenisers' threads, small enough to bound memory on multi-GB inputs.
 _BATCH_CHARS = 4 << 20
@@ -56,16 +68,32 @@ def _kind(path: str) -> str | None:
   return _KINDS.get(os.path.splitext(name)[1])
 
 
+def _not_text(path: str) -> str | None:
+  """Why the start of `path` is not UTF-8 text (gzip-decompressed for .gz), or None if it is."""
+  try:
+    with (gzip.open if path.lower().endswith(".gz") else open)(path, "rb") as f:
+      head = f.read(_SNIFF_BYTES)
+  except (OSError, EOFError) as e:
+    return f"cannot be read ({getattr(e, 'strerror', None) or e})"
+  try:
+    # final=False: the sniffed bytes may end inside a multi-byte character.
+    codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+  except UnicodeDecodeError:
+    return _NOT_TEXT
+  # Valid UTF-8, but text holds no NUL; UTF-16 and most binaries do.
+  return _NOT_TEXT if b"\0" in head else None
+
+
 def name_some(paths: Sequence[str], limit: int = 5) -> str:
   """Returns up to `limit` of `paths` joined by commas, then "and N more"."""
   shown = ", ".join(paths[:limit])
   return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
-def _find_inputs(paths: Sequence[str]) -> tuple[list[str], list[str]]:
-  """`find_inputs`, and the files of an unknown type that its directories held."""
+def _find_inputs(paths: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+  """`find_inputs`, and {file: why it was skipped} for the other files its directories held."""
   files: list[str] = []
-  skipped: list[str] = []
+  skipped: dict[str, str] = {}
   for path in paths:
     if os.path.isdir(path):
       found, other = [], []
@@ -75,15 +103,22 @@ def _find_inputs(paths: Sequence[str]) -> tuple[list[str], list[str]]:
           if not name.startswith("."):
             (found if _kind(name) else other).append(os.path.join(root, name))
       if not found:
-        also = f" (only {len(other)} of other types: {name_some(sorted(other))})" if other else ""
+        also = (f" (only {len(other)} of other types: {name_some(sorted(other))}; name a "
+                "text file itself to read it whatever its extension)" if other else "")
         raise DataError(f"{path}: no .txt, .md, .jsonl, .json or .parquet files in this "
                         f"directory{also}")
       files.extend(sorted(found))
-      skipped.extend(sorted(other))
+      skipped.update((f, _not_text(f) or _NOT_NAMED) for f in sorted(other))
     elif os.path.isfile(path):
       if _kind(path) is None:
-        raise DataError(f"{path}: unknown input type; give .txt, .md, .jsonl, .json or "
-                        ".parquet files (optionally .gz, except parquet)")
+        # Named itself: read as plain text whatever its name, if it is text.
+        if path.lower().endswith(".parquet.gz"):
+          raise DataError(f"{path}: gzip-compressed Parquet is not read; decompress it "
+                          "(Parquet compresses its own columns)")
+        why = _not_text(path)
+        if why is not None:
+          raise DataError(f"{path}: {why}; give UTF-8 text files (any name), or .jsonl, "
+                          ".json or .parquet files")
       files.append(path)
     else:
       raise DataError(f"{path}: no such file or directory")
@@ -99,10 +134,12 @@ def _find_inputs(paths: Sequence[str]) -> tuple[list[str], list[str]]:
 def find_inputs(paths: Sequence[str]) -> list[str]:
   """Returns the input files named by `paths`, directories expanded and sorted.
 
-  In a directory, hidden files and folders and files of other types are
-  skipped. Raises DataError for a missing path, a file of an unknown type
-  named directly, a directory with no inputs, no inputs at all, or Parquet
-  inputs without pyarrow.
+  A file named itself is read whatever its extension (as plain text when
+  it has none of the known ones). In a directory, hidden files and folders
+  and files without a known extension are skipped. Raises DataError for a
+  missing path, a file named itself that is not UTF-8 text (or is gzipped
+  Parquet), a directory with no inputs, no inputs at all, or Parquet inputs
+  without pyarrow.
   """
   return _find_inputs(paths)[0]
 
@@ -123,7 +160,8 @@ def _json_text(path: str, where: str, record: Any, text_key: str) -> str:
 
 def _documents(path: str, text_key: str) -> Iterator[list[str]]:
   """Yields each document of a file as its list of split units."""
-  kind = _kind(path)
+  # A file without a known extension got here by being named: plain text.
+  kind = _kind(path) or "text"
   if kind == "parquet":
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     pf = pq.ParquetFile(path)
@@ -204,8 +242,9 @@ def prepare_files(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "gpt2
     progress: show a progress line on stderr when it is a terminal.
 
   Returns:
-    The opened dataset; its meta.json lists the files of unknown type that the
-    input directories held under "skipped_files".
+    The opened dataset; its meta.json lists the files that the input
+    directories held but that were not read under "skipped_files", and why
+    each was skipped under "skipped_reasons" ({path: reason}).
 
   Raises:
     DataError: bad inputs, an unknown tokenizer, an occupied `out_dir`, or a
@@ -235,7 +274,7 @@ def prepare_files(inputs: Sequence[str], out_dir: str, *, tokenizer: str = "gpt2
     raise DataError(f"{out_dir}: cannot be written ({e.strerror or e})") from None
 
 
-def _tokenise(files: list[str], skipped: list[str], out_dir: str, tok: Tokenizer, every: int,
+def _tokenise(files: list[str], skipped: dict[str, str], out_dir: str, tok: Tokenizer, every: int,
               seq_len: int, text_key: str, overwrite: bool, progress: bool) -> TokenData:
   """Streams every document of `files` through `tok` into a new dataset."""
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
@@ -301,6 +340,7 @@ def _tokenise(files: list[str], skipped: list[str], out_dir: str, tok: Tokenizer
     writer.update_meta({
         "sources": [os.path.abspath(f) for f in files],
         "skipped_files": [os.path.abspath(f) for f in skipped],
+        "skipped_reasons": {os.path.abspath(f): why for f, why in skipped.items()},
         "num_documents": docs,
         "val_rule": f"every {every}th paragraph (text files) or document (JSON, Parquet)",
         "text_key": text_key,

@@ -479,7 +479,7 @@ def scale_by_muon(
   r"""Muon's direction and its scale for hidden matrices: `muon` without its AdamW group.
 
   .. math::
-    O[t] = s(m, n)\;\mathrm{NS}_5(eta \hat M[t] + (1-eta) \hat G[t])
+    O[t] = s(m, n)\;\mathrm{NS}_5(\beta \hat M[t] + (1-\beta) \hat G[t])
 
   (Nesterov; `nesterov=False` orthogonalises the bias-corrected momentum
   itself), each matrix of a stack on its own. NS_5 is five quintic
