@@ -36,7 +36,9 @@ import jax
 import numpy as np
 
 from jaxpipe import _watchdog
+from jaxpipe import _writes
 from jaxpipe import config as config_lib
+from jaxpipe._writes import WriteFailed
 
 __all__ = ["Metrics", "Profile", "Signals", "NonFinitePolicy", "Evaluation",
            "CheckpointPolicy", "Feed", "host_schedule", "Report", "say", "kill_at"]
@@ -66,8 +68,10 @@ def kill_at(point: Optional[tuple[str, int]], moment: str, step: int) -> None:
 class Metrics:
   """metrics.jsonl (process 0 only) and TensorBoard scalars."""
 
-  def __init__(self, run_dir: str, start_step: int, lag: int, enabled: bool):
-    self.enabled = enabled
+  def __init__(self, run_dir: str, start_step: int, lag: int, enabled: bool,
+               writes: Optional[_writes.Watch] = None):
+    """`writes`: the run's write watch, which sees TensorBoard's writer thread die."""
+    self.enabled, self.writes = enabled, writes
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self.val_steps: set[int] = set()  # evaluations already on file
     self._tb = None
@@ -115,20 +119,40 @@ class Metrics:
     # JSON has no NaN: a non-finite value is written as null.
     record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
               for k, v in record.items()}
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    try:
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
+    except OSError as e:
+      raise WriteFailed("metrics.jsonl", self.path, e) from None
     if self._tb is not None:
+      # TensorBoard writes in a thread; once it has died of a failed write,
+      # queueing more events would block this thread for ever.
+      died = self.writes.thread_error() if self.writes is not None else None
+      if died is not None:
+        raise WriteFailed("the TensorBoard events", os.path.dirname(self.path), died)
       for key, value in record.items():
         if key != "step" and isinstance(value, (int, float)):
           group = "val" if key.startswith("val") else "train"
           self._tb.add_scalar(f"{group}/{key}", value, record["step"])
 
-  def close(self) -> None:
-    """Closes the file and the TensorBoard writer."""
-    if self.enabled:
-      self._file.close()
-      if self._tb is not None:
-        self._tb.close()
+  def close(self, *, abandon: bool = False) -> None:
+    """Closes the file and the TensorBoard writer.
+
+    `abandon` (after a failed write): closes only what cannot block, the
+    file, and ignores its error; TensorBoard's close would wait on its
+    writer thread, which a failed write may have ended.
+    """
+    if not self.enabled:
+      return
+    if abandon:
+      try:
+        self._file.close()
+      except OSError:
+        pass
+      return
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
 
 
 class Profile:
@@ -317,6 +341,10 @@ class CheckpointPolicy:
       if wait:
         self.ckpt.wait()
 
+  def check(self) -> None:
+    """Raises WriteFailed if the last save has ended without its checkpoint (a flag read)."""
+    self.ckpt.check_saved()
+
 
 class Feed:
   """Batches for the loop, each placed on the devices one step ahead of its use.
@@ -395,13 +423,16 @@ class Report:
   def __init__(self, cfg: Any, lr_schedule: Callable[[int], float], start: int, lag: int,
                is_main: bool, policy: NonFinitePolicy, peak: Optional[float] = None,
                kill: Optional[tuple[str, int]] = None, epoch_sequences: int = 0,
-               watchdog: Optional[_watchdog.Watchdog] = None):
+               watchdog: Optional[_watchdog.Watchdog] = None,
+               writes: Optional[_writes.Watch] = None):
     """`epoch_sequences`: the sequences in one pass over the training split (0: no epochs);
-    `watchdog`: the run's step watchdog, told of each step that finished."""
+    `watchdog`: the run's step watchdog, told of each step that finished; `writes`:
+    the run's write watch (`Metrics`)."""
     self.cfg, self.lr_schedule, self.start, self.policy, self.kill = (
         cfg, lr_schedule, start, policy, kill)
     self.watchdog = watchdog or _watchdog.Watchdog(0)
-    self.log = Metrics(cfg.run.dir, start, lag, is_main)
+    self.log = Metrics(cfg.run.dir, start, lag, is_main, writes)
+    self.last_val: Optional[tuple[int, float]] = None  # (after step, loss) of the newest evaluation
     self.profile = Profile(cfg.run.profile, cfg.run.dir, is_main)
     self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     self.epoch_sequences = epoch_sequences
@@ -438,6 +469,8 @@ class Report:
     if step not in self.log.val_steps:
       self.log.write({"step": step, "val_loss": loss})
       self.log.val_steps.add(step)
+    if loss is not None:
+      self.last_val = (step, loss)
 
   def epoch(self, k: int) -> Optional[float]:
     """Passes over the training split once batch k is drawn (fractional), or None."""
@@ -479,11 +512,15 @@ class Report:
                                           "skipped": self.policy.skipped})
     if not finite and not self.policy.proceed(k, met):
       return False
-    due = j >= 0 and ((k + 1) % self.cfg.run.log_every == 0 or k + 1 == self.cfg.run.steps)
+    # The evaluation after step k (if any) ran before this step's metrics were read.
+    val = self.last_val[1] if self.last_val and self.last_val[0] == k + 1 else None
+    due = j >= 0 and ((k + 1) % self.cfg.run.log_every == 0 or k + 1 == self.cfg.run.steps
+                      or val is not None)
     if self.bar is not None:
       if due:
         fast = self.speed(seconds)
         self.bar.set_postfix(loss=f"{float(met['loss']):.4f}",
+                             **({"val": f"{val:.4f}"} if val is not None else {}),
                              tok_s=f"{fast.get('tokens_per_s', 0):.0f}",
                              **({"mfu": f"{fast['mfu']:.1%}"} if "mfu" in fast else {}))
       self.bar.update(1)
@@ -493,11 +530,18 @@ class Report:
     return True
 
   def progress_line(self, k: int, j: int, loss: float, seconds: Optional[float]) -> str:
-    """The plain progress line after step k (of `seconds`), whose metrics carry batch j's loss."""
+    """The plain progress line after step k (of `seconds`), whose metrics carry batch j's loss.
+
+    Steps are counted from 1 (step k + 1 is the (k+1)-th update); a loss that
+    arrives a step late (2bw) names its own step in the same count, and the
+    validation loss is shown when an evaluation ran after this step.
+    """
     fast = self.speed(seconds)
     parts = [f"{self.cfg.pipeline.schedule} step {k + 1}/{self.cfg.run.steps}",
-             f"loss {loss:.4f}" + (f" (batch {j})" if j != k else ""),
+             f"loss {loss:.4f}" + (f" (of step {j + 1})" if j != k else ""),
              f"lr {self.lr_schedule(j):.3g}"]
+    if self.last_val and self.last_val[0] == k + 1:
+      parts.insert(2, f"val loss {self.last_val[1]:.4f}")
     if self.epoch(j) is not None:
       parts.append(f"epoch {self.epoch(j):.2f}")
     if k == self.start:
@@ -518,9 +562,10 @@ class Report:
       s["mfu"] = self.speed(self.steady[1] / self.steady[0])["mfu"]
     return s
 
-  def close(self) -> None:
-    """Stops the profile, the bar and the files."""
-    self.profile.close()
+  def close(self, *, abandon: bool = False) -> None:
+    """Stops the profile, the bar and the files (`abandon`: after a failed write, see Metrics)."""
+    if not abandon:
+      self.profile.close()
     if self.bar is not None:
       self.bar.close()
-    self.log.close()
+    self.log.close(abandon=abandon)

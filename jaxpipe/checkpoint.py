@@ -37,6 +37,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxpipe._writes import WriteFailed
 from jaxpipe.errors import CheckpointError
 
 __all__ = ["Checkpointer", "RESUMABLE_KEYS", "LAYOUT_KEYS", "config_differences",
@@ -177,6 +178,8 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    self._pending: Optional[int] = None  # the step of the save last started, until checked
+    self.watch = None  # a jaxpipe._writes.Watch while a run trains: orbax's logged failures
     logging.getLogger("absl").addFilter(_INTERRUPTS)   # a logger keeps one copy of it
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
@@ -205,11 +208,63 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_state: Mapping[str, Any],
            meta: Mapping[str, Any]) -> None:
-    """Starts writing checkpoint `step` (in the background when async)."""
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_saveable(state)),
-        data=ocp.args.JsonSave(dict(data_state)),
-        meta=ocp.args.JsonSave(dict(meta))), force=True)
+    """Starts writing checkpoint `step` (in the background when async).
+
+    Raises WriteFailed if the write fails at once; a background write that
+    fails is found by `check_saved`, `wait` or `close`.
+    """
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(_saveable(state)),
+          data=ocp.args.JsonSave(dict(data_state)),
+          meta=ocp.args.JsonSave(dict(meta))), force=True)
+    except Exception as e:  # orbax and tensorstore raise many types for one failed write
+      # orbax waits for the previous save first: its failure may be what this is.
+      failed = self._pending if self._pending is not None and not self._complete(
+          self._pending) else step
+      raise self._failed(failed, e) from None
+    self._pending = step
+
+  def _complete(self, step: int) -> bool:
+    try:
+      return step in self.all_steps()
+    except Exception:  # the folder itself may be gone
+      return False
+
+  def _failed(self, step: int, error: Optional[BaseException]) -> WriteFailed:
+    logged = self.watch.orbax_error() if self.watch is not None else None
+    if logged is not None:  # what the write itself said, rather than a later symptom
+      error = RuntimeError(logged)
+    try:
+      newest = self.latest_step()
+    except Exception:  # the folder itself may be gone
+      newest = None
+    return WriteFailed(f"the checkpoint of step {step}", self.directory, error,
+                       newest=newest, checkpoint_dir=self.directory)
+
+  def check_saved(self, error: Optional[BaseException] = None) -> None:
+    """Raises WriteFailed if the last save has ended without its checkpoint on disk.
+
+    orbax logs a failed background write and leaves the step unfinalized
+    rather than raising (and, after a full disk, may never end the save), so
+    a save has failed as soon as orbax has logged an error (`watch`), or
+    when it is no longer in progress and its step is not among the complete
+    ones. `error` (what the failure said, where known) goes into the report.
+    Costs a flag read while a save runs and one directory listing when it
+    has ended.
+    """
+    if self._pending is None:
+      return
+    logged = self.watch.orbax_error() if self.watch is not None else None
+    if logged is None and self._manager.is_saving_in_progress():
+      return
+    step, self._pending = self._pending, None
+    try:
+      complete = logged is None and step in self.all_steps()
+    except Exception as e:  # the folder itself may be gone
+      complete, error = False, error or e
+    if not complete:
+      raise self._failed(step, error)
 
   def read_meta(self, step: int) -> dict[str, Any]:
     """The meta item of checkpoint `step` (config and step), without the arrays."""
@@ -319,14 +374,26 @@ class Checkpointer:
     return read_only_manager(self.directory)
 
   def wait(self) -> None:
-    """Blocks until background saves are on disk."""
-    self._manager.wait_until_finished()
+    """Blocks until background saves are on disk; WriteFailed if one did not get there."""
+    error = None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # orbax re-raises a background failure here, sometimes
+      error = e
+    self.check_saved(error)
 
   def close(self) -> None:
-    """Waits for background saves and releases the manager (a second call does nothing)."""
+    """Waits for background saves and releases the manager (a second call does nothing).
+
+    Raises WriteFailed if the last save did not reach the disk.
+    """
     if self._manager is not None:
+      try:
+        self.wait()
+      except WriteFailed:
+        self._manager = None  # closing would wait on, and raise, the same failure again
+        raise
       manager, self._manager = self._manager, None
-      manager.wait_until_finished()
       manager.close()
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxpipe import _loop
 from jaxpipe import _watchdog
+from jaxpipe import _writes
 from jaxpipe import accel
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
@@ -39,6 +40,8 @@ from jaxpipe import launch
 from jaxpipe import model as model_lib
 from jaxpipe import optim
 from jaxpipe import resume
+from jaxpipe import rundir
+from jaxpipe._writes import WriteFailed
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError, DataError
@@ -46,7 +49,7 @@ from jaxpipe.pipeline import (Schedule, StageFns, axes_across_nodes, expert_exch
                               make_schedule)
 
 __all__ = ["Run", "make_run", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED", "EXIT_SIGNAL",
-           "EXIT_LOST"]
+           "EXIT_LOST", "EXIT_IOERR"]
 
 # Exit statuses (2, bad input, is every command's: jaxpipe.errors). A requeue
 # loop must tell a stop that saved from one that did not, so they differ:
@@ -67,6 +70,10 @@ EXIT_SIGNAL = 128
 # the same command on every process to resume from the newest checkpoint.
 # Why 69: jaxpipe._watchdog.
 EXIT_LOST = _watchdog.EXIT_LOST
+# 74 (sysexits' EX_IOERR): a write into run.dir failed (disk full, quota,
+# permission, the folder removed) and the run stopped at once; the newest
+# intact checkpoint is named. Not 2: the input was fine, the disk was not.
+EXIT_IOERR = _writes.EXIT_IOERR
 
 
 @dataclasses.dataclass
@@ -259,23 +266,40 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
   waiting for a save in progress); returns with summary["exit_code"] 0,
   EXIT_NONFINITE or EXIT_INTERRUPTED.
   """
-  # These two refuse before anything is built or written: a refused run creates nothing.
+  # These refuse before anything is built or written: a refused run creates nothing.
+  main = jax.process_index() == 0
+  rundir.check_writable(cfg.run.dir)
+  if main:  # process 0 holds the folder for every process of the run
+    busy = rundir.holder(cfg.run.dir)
+    if busy:
+      raise ConfigError(f"run.dir={cfg.run.dir} is in use by {busy}: a run writes its folder "
+                        "alone; wait for that run to end or give this one another run.dir")
   resume.check_request(cfg, require_resume=require_resume)
   run = make_run(cfg, devices)
   init_params = resume.fresh_weights(run.cfg, require_resume=require_resume)
-  os.makedirs(run.cfg.run.dir, exist_ok=True)
-  ckpt = Checkpointer(resume.checkpoint_dir(run.cfg), keep=run.cfg.checkpoint.keep,
-                      async_save=run.cfg.checkpoint.async_save)
+  try:
+    os.makedirs(run.cfg.run.dir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"run.dir={cfg.run.dir} cannot be created ({e.strerror})") from None
+  lock = rundir.hold(run.cfg.run.dir) if main else None
   abandon = False
   try:
-    start = resume.begin(run, ckpt, require_resume=require_resume, init_params=init_params)
-    return _train(run, ckpt, start)
-  except KeyboardInterrupt:
-    abandon = True  # stop now: a save in progress is left unfinished, and ignored later
-    raise
+    ckpt = Checkpointer(resume.checkpoint_dir(run.cfg), keep=run.cfg.checkpoint.keep,
+                        async_save=run.cfg.checkpoint.async_save)
+    try:
+      start = resume.begin(run, ckpt, require_resume=require_resume, init_params=init_params)
+      return _train(run, ckpt, start)
+    except (KeyboardInterrupt, WriteFailed):
+      # Stop now: a save in progress is left unfinished, and ignored later;
+      # after a failed write, waiting for the other writers could block.
+      abandon = True
+      raise
+    finally:
+      if not abandon:
+        ckpt.close()
   finally:
-    if not abandon:
-      ckpt.close()
+    if lock is not None:
+      lock.release()  # never blocks, so also after a failed write or a second signal
 
 
 class _Batches(NamedTuple):
@@ -328,10 +352,12 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start) -> dict[str, Any]:
                              pause_timeout_s=cfg.dist.save_timeout_s if several else 0)
   evaluate = _evaluation(run, batches, watch)
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
+  writes = _writes.Watch()
+  ckpt.watch = writes
   report = _loop.Report(cfg, _loop.host_schedule(run.lr_schedule, steps), start,
                         schedule.loss_lag, jax.process_index() == 0, policy, peak_tflops(cfg),
                         kill, epoch_sequences=run.data.num_sequences("train", cfg.data.seq_len),
-                        watchdog=watch)
+                        watchdog=watch, writes=writes)
 
   def poison(step: int, batch: dict) -> dict:
     if step == cfg.run.debug_nan_step:
@@ -358,7 +384,7 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start) -> dict[str, Any]:
     report.summary["exit_code"] = EXIT_NONFINITE
 
   pending = None  # (step, its metrics on the device, dispatch time)
-  with _loop.Signals() as signals, watch:
+  with _loop.Signals() as signals, watch, writes:
     try:
       for step in range(start, steps):
         tokens, targets = feed.take()  # placed on the devices while step k-1 ran
@@ -378,6 +404,7 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start) -> dict[str, Any]:
           report.validation(done, evaluate(state))
         if saves.due(done):
           saves.save(done)
+        saves.check()  # a save that failed in the background stops the run here
         if signals.stop:
           ok, pending = report.settle(*pending), None
           if not ok:
@@ -393,11 +420,27 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start) -> dict[str, Any]:
           stop_nonfinite()
         else:
           _finish(run, report, saves, evaluate, state, start)
-    finally:
+    except WriteFailed as e:
+      report.close(abandon=True)
+      e.checkpoint_dir = e.checkpoint_dir or ckpt.directory
+      if e.newest is None:
+        e.newest = _newest(ckpt)
+      raise
+    except BaseException:
       report.close()
+      raise
+    report.close()
   report.summary["peak_memory_gib"] = accel.write_device_memory(
       cfg.run.dir, jax.local_devices(), jax.process_index(), jax.process_count())
   return report.finish(state, run)
+
+
+def _newest(ckpt: Checkpointer) -> Optional[int]:
+  """The newest complete checkpoint's step, or None (also when the folder is gone)."""
+  try:
+    return ckpt.latest_step()
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def _finish(run: Run, report: _loop.Report, saves: _loop.CheckpointPolicy,
@@ -431,7 +474,8 @@ def format_summary(summary: dict[str, Any]) -> str:
            f"{cfg.optimizer.name}"]
   if "train_loss" in summary:
     epoch = summary.get("epoch")
-    parts.append(f"train loss {summary['train_loss']:.4f} (batch {summary['train_loss_step']}"
+    # Steps counted from 1, as the progress line and the stop messages count them.
+    parts.append(f"train loss {summary['train_loss']:.4f} (step {summary['train_loss_step'] + 1}"
                  + (f", epoch {epoch:.2f})" if epoch is not None else ")"))
   if summary.get("val_loss") is not None:
     first = summary.get("first_val_loss")

@@ -263,6 +263,7 @@ def test_a_peer_stopped_around_a_save_ends_the_run(tmp_path, cache):
 
 @pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGSTOP)],
                          ids=["sigkill-process-1", "sigstop-process-0"])
+@pytest.mark.exit_status(69)
 def test_a_lost_process_ends_the_other_with_one_line(tmp_path, cache, whole, victim, sig):
   """Killed (the coordination service notices) or stopped (its heartbeats stop): the
   other process leaves within seconds with EXIT_LOST and one line; the rerun is exact.

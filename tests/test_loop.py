@@ -183,3 +183,22 @@ def test_the_loop_queues_step_k_plus_1_before_it_waits_for_step_k(tmp_path, monk
   for k in range(steps - 1):
     assert order.index(("dispatch", k + 1)) < order.index(("read", k)), order
   assert summary["exit_code"] == 0 and summary["train_loss_step"] == steps - 1
+
+
+def test_the_progress_line_counts_steps_one_way_and_shows_the_validation_loss(tmp_path):
+  from jaxpipe import config  # pylint: disable=g-import-not-at-top
+  cfg = config.load(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"),
+                    [f"run.dir={tmp_path}", "run.steps=40", "pipeline.schedule=2bw",
+                     "pipeline.stages=2"])
+  report = _loop.Report(cfg, lambda k: 1e-3, 0, 1, True,
+                        _loop.NonFinitePolicy("skip", _FakeSchedule()))
+  try:
+    # 2bw reads step 39's metrics with the loss of step 38 (batch 37, counted from 0).
+    assert report.progress_line(38, 37, 3.0, 0.1).startswith(
+        "2bw step 39/40 | loss 3.0000 (of step 38) | lr 0.001")
+    report.validation(39, 2.5)  # the evaluation after step 39
+    line = report.progress_line(38, 37, 3.0, 0.1)
+    assert line.startswith("2bw step 39/40 | loss 3.0000 (of step 38) | val loss 2.5000 | lr")
+    assert "val loss" not in report.progress_line(39, 38, 3.0, 0.1)  # only on its own step
+  finally:
+    report.close()

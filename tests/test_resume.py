@@ -107,6 +107,7 @@ def _interrupted(run_dir, cache, *signals):
   return proc.returncode, err
 
 
+@pytest.mark.exit_status(75)
 def test_an_interrupt_saves_and_exits_with_the_resume_status(tmp_path, cache):
   run_dir = str(tmp_path / "run")
   status, err = _interrupted(run_dir, cache, signal.SIGINT)
@@ -118,6 +119,7 @@ def test_an_interrupt_saves_and_exits_with_the_resume_status(tmp_path, cache):
   assert _runs.checkpoints(run_dir) == [stopped_at] and stopped_at >= 2
 
 
+@pytest.mark.exit_status("128+N")
 def test_a_second_signal_stops_at_once_without_saving(tmp_path, cache):
   run_dir = str(tmp_path / "run")
   status, err = _interrupted(run_dir, cache, signal.SIGTERM, signal.SIGINT)

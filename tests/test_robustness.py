@@ -123,6 +123,7 @@ def test_nan_is_skipped_and_counted(tmp_path, cache):
   assert all(np.isfinite(recs[k]["loss"]) for k in (0, 1, 3, 4))
 
 
+@pytest.mark.exit_status(3)
 def test_nan_stops_with_the_last_good_state_saved(tmp_path, cache):
   run_dir = str(tmp_path / "run")
   p = _runs.run(run_dir, "run.steps=6", "run.debug_nan_step=1", "run.nan_policy=stop",

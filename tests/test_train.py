@@ -49,6 +49,7 @@ def _kjv(cache):
   return data.open_tokens(data.prepare_embedded("kjv", "byte", cache))
 
 
+@pytest.mark.exit_status(0)
 def test_pulse(pulse, cache):
   """Two steps write config, metrics, a checkpoint and a summary line."""
   run_dir, p = pulse
@@ -187,6 +188,7 @@ BAD = [
 ]
 
 
+@pytest.mark.exit_status(2)
 @pytest.mark.parametrize("overrides,named", BAD, ids=[b[1] for b in BAD])
 def test_bad_input_exits_2_with_one_line(tmp_path, cache, overrides, named):
   run_dir = tmp_path / "run"

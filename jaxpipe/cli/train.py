@@ -10,8 +10,10 @@ nothing created); 3 stopped on a non-finite loss (nan_policy=stop); 69 a
 process of a multi-process run was lost (or a step hung for
 dist.step_timeout_s, a save for dist.save_timeout_s), stopped without saving
 (rerun every process to resume from the newest checkpoint); 75 stopped by SIGTERM/SIGINT after saving a
-checkpoint (rerun to resume); 128+signal stopped at once by a second signal,
-without saving (130 for Ctrl-C).
+checkpoint (rerun to resume); 74 a write into run.dir failed (disk full, quota,
+permission), stopped at once (rerun to resume from the newest intact
+checkpoint, which the error line names); 128+signal stopped at once by a
+second signal, without saving (130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=3e-4")
   args = parser.parse_args(argv)
 
-  from jaxpipe import _watchdog, launch  # pylint: disable=g-import-not-at-top
+  from jaxpipe import _watchdog, _writes, launch  # pylint: disable=g-import-not-at-top
   from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
   try:
     cfg = config_lib.load(args.config, args.overrides)
@@ -61,6 +63,12 @@ def main(argv=None) -> int:
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except _writes.WriteFailed as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # Without the interpreter's shutdown: orbax's and TensorBoard's writers
+    # would wait on, and trace back from, the writes that failed.
+    os._exit(_writes.EXIT_IOERR)  # pylint: disable=protected-access
   except KeyboardInterrupt as e:
     # A second SIGINT/SIGTERM (the loop's handler gives its number), or Ctrl-C
     # before training began: stop at once. Exiting without the interpreter's
