@@ -176,19 +176,28 @@ def measure(model_cfg: Any, opt_cfg: Any, schedule: str, mesh_shape: tuple[int, 
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxpipe import accel, config as config_lib, trainer  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh  # pylint: disable=g-import-not-at-top
 
   s, d = mesh_shape
   rows = batch // microbatches // d
   model_cfg, impl, note = _resolved(model_cfg, rows, seq)
   if note and say is not None:
     say(note)
-  model, fns, optimizer = trainer.components(
-      config_lib.Config(model=model_cfg, optimizer=opt_cfg))
+  # The run this measures, as a config: the schedule is built from it as
+  # training builds it. The head is split over the stages whatever its size
+  # (pipeline.head=vocab_parallel, not auto), as this benchmark's tables were
+  # measured.
+  cfg = config_lib.Config(
+      data=config_lib.DataConfig(batch_size=batch, seq_len=seq), model=model_cfg,
+      pipeline=config_lib.PipelineConfig(
+          schedule=schedule, stages=s, microbatches=microbatches, stash=stash,
+          virtual_stages=INTERLEAVED_CHUNKS if schedule == "interleaved" else 1,
+          head="vocab_parallel"),
+      mesh=config_lib.MeshConfig(data=d), optimizer=opt_cfg)
+  model, fns, optimizer = trainer.components(cfg)
   devices = jax.devices() if devices is None else devices
   mesh = make_mesh(s, d, devices[:s * d])
-  sch = make_schedule(schedule, fns, optimizer, mesh, microbatches, stash=stash,
-                      virtual_stages=INTERLEAVED_CHUNKS if schedule == "interleaved" else 1)
+  sch = trainer.schedule_from_config(cfg, fns, optimizer, mesh)
   shape = (microbatches, batch // microbatches, seq)
   state = sch.init_sharded(model.init, jax.random.key(seed), shape)
   rng = np.random.default_rng(seed)

@@ -45,8 +45,8 @@ from jaxpipe._writes import WriteFailed
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError, DataError
-from jaxpipe.pipeline import (Schedule, StageFns, axes_across_nodes, expert_exchange, make_mesh,
-                              make_schedule)
+from jaxpipe.pipeline import (PIPELINED, Schedule, ScheduleOptions, StageFns, axes_across_nodes,
+                              expert_exchange, make_mesh, make_schedule)
 
 __all__ = ["Run", "make_run", "train", "EXIT_NONFINITE", "EXIT_INTERRUPTED", "EXIT_SIGNAL",
            "EXIT_LOST", "EXIT_IOERR"]
@@ -169,24 +169,34 @@ def _mesh(cfg: Config, devices) -> jax.sharding.Mesh:
   return mesh
 
 
-def build_schedule(cfg: Config, fns: StageFns, optimizer: Any, mesh: jax.sharding.Mesh, *,
-                   schedule: Optional[str] = None, stash: Optional[str] = None,
-                   virtual_stages: Optional[int] = None) -> Schedule:
-  """The config's schedule on `mesh`, as training runs it.
+def schedule_from_config(cfg: Config, fns: StageFns, optimizer: Any, mesh: jax.sharding.Mesh, *,
+                         schedule: Optional[str] = None, stash: Optional[str] = None,
+                         virtual_stages: Optional[int] = None) -> Schedule:
+  """The config's schedule on `mesh`, as training runs it, its options read from `cfg`.
 
-  The one place a config becomes a `make_schedule` call: `make_run`, the
-  planner and the GPU compile (`jaxpipe.gpu`) build their step through it.
-  `schedule`, `stash` and `virtual_stages` ask for another schedule, stash
-  choice or chunk count than the config's (the planner compares them).
+  The one place a config becomes a `make_schedule` call (its
+  `ScheduleOptions`): `make_run`, the planner, the GPU compile
+  (`jaxpipe.gpu`) and the benchmarks build their step through it.
+  pipeline.stash, pipeline.virtual_stages, mesh.shard_optimizer,
+  mesh.expert_parallel, pipeline.head (`config.vocab_parallel`) and
+  optimizer.weight_prediction (gradients at `optim.predicted_params`) give
+  the options. `schedule`, `stash` and `virtual_stages` ask for another
+  schedule, stash choice or chunk count than the config's.
   """
   p = cfg.pipeline
-  return make_schedule(schedule or p.schedule, fns, optimizer, mesh, p.microbatches,
-                       stash=stash or p.stash, virtual_stages=virtual_stages or p.virtual_stages,
-                       shard_optimizer=cfg.mesh.shard_optimizer,
-                       expert_parallel=cfg.mesh.expert_parallel,
-                       vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
-                       predict=(optim.predicted_params if cfg.optimizer.weight_prediction
-                                else None))
+  name = schedule or p.schedule
+  # Weight prediction is schedule none's (config.validate refuses it with
+  # any other); a config asked for a pipelined schedule instead runs that
+  # one without it.
+  predict = (optim.predicted_params if cfg.optimizer.weight_prediction and name not in PIPELINED
+             else None)
+  options = ScheduleOptions(stash=stash or p.stash,
+                            virtual_stages=virtual_stages or p.virtual_stages,
+                            shard_optimizer=cfg.mesh.shard_optimizer,
+                            expert_parallel=cfg.mesh.expert_parallel,
+                            vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
+                            predict=predict)
+  return make_schedule(name, fns, optimizer, mesh, p.microbatches, options)
 
 
 def abstract_step_inputs(cfg: Config, model: model_lib.Model,
@@ -215,7 +225,7 @@ def make_run(cfg: Config, devices=None) -> Run:
   devices = jax.devices() if devices is None else devices
   launch.check_devices(cfg, devices)
   mesh = _mesh(cfg, devices)
-  schedule = build_schedule(cfg, fns, optimizer, mesh)
+  schedule = schedule_from_config(cfg, fns, optimizer, mesh)
   run = Run(cfg, data, model, fns, optimizer, lr_schedule, mesh, schedule)
   # Refused here, before anything is written: this process's rows of a batch
   # must be one aligned block of it (the loop reads them again, `_batches`).
@@ -223,17 +233,9 @@ def make_run(cfg: Config, devices=None) -> Run:
   return run
 
 
-def device_peak_tflops(kind: str) -> Optional[float]:
-  """Dense bfloat16 peak TFLOP/s of the accelerator whose device kind is `kind`, else None.
-
-  The name must match exactly (`jaxpipe.accel.PEAK_TFLOPS`).
-  """
-  return accel.device_peak_tflops(kind)
-
-
 def peak_tflops(cfg: Config) -> Optional[float]:
   """The per-device peak for MFU: run.peak_tflops, else a known accelerator's, else None."""
-  return cfg.run.peak_tflops or device_peak_tflops(jax.devices()[0].device_kind)
+  return cfg.run.peak_tflops or accel.device_peak_tflops(jax.devices()[0].device_kind)
 
 
 def _rows_of_process(sharding: jax.sharding.NamedSharding, shape) -> tuple[int, int]:

@@ -173,18 +173,14 @@ class Runner(_Timed):
   def __init__(self, shape: ModelShape, schedule: str, num_stages: int, num_microbatches: int,
                *, seed: int = 0, compile_now: bool = True, data: int = 1):
     import jax  # pylint: disable=g-import-not-at-top
-    from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
-    from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+    from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+    from jaxpipe.pipeline import make_mesh  # pylint: disable=g-import-not-at-top
 
     self.name = schedule
     cfg = make_config(shape, schedule, num_stages, num_microbatches, data)  # validates the shape
     model, fns, optimizer = model_parts(shape, seed)
     mesh = self.mesh = make_mesh(cfg.pipeline.stages, data)
-    self.schedule = make_schedule(cfg.pipeline.schedule, fns, optimizer, mesh, num_microbatches,
-                                  stash=shape.stash,
-                                  virtual_stages=cfg.pipeline.virtual_stages,
-                                  vocab_parallel=config_lib.vocab_parallel(cfg.model,
-                                                                           cfg.pipeline))
+    self.schedule = trainer.schedule_from_config(cfg, fns, optimizer, mesh)
     batch_shape = (num_microbatches, shape.micro_rows * data, shape.seq_len)
     # Drawn in their shardings: every schedule starts from the same weights,
     # also when the devices belong to several processes.
@@ -226,12 +222,12 @@ class CeilingRunner(_Timed):
     import numpy as np  # pylint: disable=g-import-not-at-top
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
-    from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
+    from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+    from jaxpipe.pipeline import make_mesh  # pylint: disable=g-import-not-at-top
     self.name = "ceiling"
-    make_config(shape, "none", 1, num_microbatches)  # validates the shape
+    cfg = make_config(shape, "none", 1, num_microbatches)  # validates the shape
     model, fns, optimizer = model_parts(shape, seed)
-    one = make_schedule("none", fns, optimizer, make_mesh(1, 1, jax.devices()[:1]),
-                        num_microbatches, stash=shape.stash)
+    one = trainer.schedule_from_config(cfg, fns, optimizer, make_mesh(1, 1, jax.devices()[:1]))
     batch_shape = (num_microbatches, shape.micro_rows, shape.seq_len)
     state = one.init_sharded(model.init, jax.random.key(seed), batch_shape)
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",),

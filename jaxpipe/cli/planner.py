@@ -140,15 +140,6 @@ def _bytes(tree: Any) -> int:
   return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _device_bytes(abstract: Any, shardings: Any) -> Any:
-  """A tree of per-device byte counts: each leaf's shard shape times its itemsize."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  return jax.tree.map(
-      lambda x, s: int(np.prod(s.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize,
-      abstract, shardings)
-
-
 def _split_opt_state(nbytes: Any) -> dict[str, int]:
   """Splits an optimizer state's byte tree into optimizer, error-feedback and delay bytes."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -322,18 +313,21 @@ def _parts(cfg: config_lib.Config) -> _Parts:
   return _Parts(cfg, fns, optimizer, params, (m, cfg.data.batch_size // m, cfg.data.seq_len))
 
 
+def _as_schedule(cfg: config_lib.Config, name: str, stash: str) -> config_lib.Config:
+  """`cfg` as it would run schedule `name` with `stash`: `none` on one stage, the plan's v."""
+  num = cfg.pipeline.stages if name != "none" else 1
+  return dataclasses.replace(cfg, pipeline=dataclasses.replace(
+      cfg.pipeline, schedule=name, stages=num, stash=stash,
+      virtual_stages=virtual_stages(cfg, name)))
+
+
 def _make(parts: _Parts, name: str, stash: str):
   """The schedule `name` as training builds it (`none` on one stage)."""
-  from jaxpipe.pipeline import make_mesh, make_schedule  # pylint: disable=g-import-not-at-top
-  cfg = parts.cfg
-  num = cfg.pipeline.stages if name != "none" else 1
-  return make_schedule(name, parts.fns, parts.optimizer, make_mesh(num, cfg.mesh.data),
-                       cfg.pipeline.microbatches, stash=stash,
-                       virtual_stages=virtual_stages(cfg, name),
-                       shard_optimizer=cfg.mesh.shard_optimizer,
-                       expert_parallel=cfg.mesh.expert_parallel,
-                       vocab_parallel=config_lib.vocab_parallel(
-                           cfg.model, dataclasses.replace(cfg.pipeline, stages=num)))
+  from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import make_mesh  # pylint: disable=g-import-not-at-top
+  cfg = _as_schedule(parts.cfg, name, stash)
+  return trainer.schedule_from_config(cfg, parts.fns, parts.optimizer,
+                                      make_mesh(cfg.pipeline.stages, cfg.mesh.data))
 
 
 def _memory(parts: _Parts) -> tuple[dict, dict, int]:
@@ -493,10 +487,9 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   from jaxpipe.pipeline import make_mesh  # pylint: disable=g-import-not-at-top
   cfg = resolve_vocab(cfg)
   model, fns, optimizer = trainer.components(cfg)
-  stages = cfg.pipeline.stages if schedule != "none" else 1
-  sched = trainer.build_schedule(cfg, fns, optimizer, make_mesh(stages, cfg.mesh.data),
-                                 schedule=schedule, stash=stash,
-                                 virtual_stages=virtual_stages(cfg, schedule))
+  run_as = _as_schedule(cfg, schedule, stash)
+  sched = trainer.schedule_from_config(run_as, fns, optimizer,
+                                       make_mesh(run_as.pipeline.stages, cfg.mesh.data))
   state, batch = trainer.abstract_step_inputs(cfg, model, sched)
   stats = sched.lower_step(state, batch, batch).compile().memory_analysis()
   row = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,

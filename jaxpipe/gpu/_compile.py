@@ -3,7 +3,7 @@
 `compile_step(cfg, 'h100', nodes=N)` asks jaxlib's CUDA plugin for a
 topology of N nodes of GPUs of that kind (`jax.experimental.topologies`:
 compile-only devices, nothing is allocated), builds the config's mesh and
-schedule on them exactly as `train.py` does (`jaxpipe.trainer.build_schedule`,
+schedule on them exactly as `train.py` does (`jaxpipe.trainer.schedule_from_config`,
 `mesh.layout` deciding which axis crosses nodes), traces the step for CUDA
 (`jaxpipe._target.compiling_for`: attention picks cuDNN where it runs) and
 compiles it with the XLA options the launcher sets on GPUs
@@ -127,7 +127,7 @@ def compile_step(cfg: config_lib.Config, gpu_name: str, *, nodes: int = 1) -> Gp
       head_dim=m.dim // m.n_heads)
   with _target.compiling_for("cuda"):
     model, fns, optimizer = trainer.components(cfg)
-    schedule = trainer.build_schedule(cfg, fns, optimizer, mesh)
+    schedule = trainer.schedule_from_config(cfg, fns, optimizer, mesh)
     state, batch = trainer.abstract_step_inputs(cfg, model, schedule)
     lowered = schedule.lower_step(state, batch, batch)
   pipelined = cfg.pipeline.schedule != "none" and cfg.pipeline.stages > 1

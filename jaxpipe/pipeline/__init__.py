@@ -1,16 +1,17 @@
 """Pipeline schedules on a ('stage', 'data') device mesh.
 
 This package knows pytrees, stage functions, stacked parameters and meshes; it
-knows nothing of the model or of configs. See `make_schedule`, `step_plan`
-and `facts`. The plans (`_timetable`) are pure Python and NumPy: importing
-them, or this package, does not start JAX; the engine and the schedules load
-on first use.
+knows nothing of the model or of configs. See `make_schedule` (with its
+`ScheduleOptions`), `step_plan` and `facts`. The plans (`_timetable`) and the
+options are pure Python and NumPy: importing them, or this package, does not
+start JAX; the engine and the schedules load on first use.
 """
 
 import importlib
 
 from jaxpipe.pipeline._names import (LAYOUTS, PIPELINED, SCHEDULE_NAMES, STASH_MODES, Layout,
                                      ScheduleName, StashMode, experts_split)
+from jaxpipe.pipeline._options import ScheduleOptions
 from jaxpipe.pipeline._timetable import (Cell, Facts, StepPlan, TickKind, Timetable,
                                          check_virtual_stages, facts, layer_order,
                                          min_microbatches, stash_slots, step_plan, timetable)
@@ -31,9 +32,9 @@ _LAZY = {
 }
 
 __all__ = ["Cell", "Facts", "LAYOUTS", "Layout", "PIPELINED", "SCHEDULE_NAMES", "STASH_MODES",
-           "ScheduleName", "StashMode", "StepPlan", "experts_split", "TickKind", "Timetable",
-           "check_virtual_stages", "facts", "layer_order", "min_microbatches", "stash_slots",
-           "step_plan", "timetable", *_LAZY]
+           "ScheduleName", "ScheduleOptions", "StashMode", "StepPlan", "experts_split",
+           "TickKind", "Timetable", "check_virtual_stages", "facts", "layer_order",
+           "min_microbatches", "stash_slots", "step_plan", "timetable", *_LAZY]
 
 
 def __getattr__(name):

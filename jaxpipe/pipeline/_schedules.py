@@ -32,6 +32,8 @@ reports batch k-1 (`loss_lag = 1`) and `pending_loss` gives the last batch's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,7 @@ from jaxpipe.pipeline._base import (  # pylint: disable=unused-import
     per_device, pick_version, make_mesh, merge_params, split_params)
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry, acc_dtype
 from jaxpipe.pipeline._names import SCHEDULE_NAMES
+from jaxpipe.pipeline._options import ScheduleOptions
 from jaxpipe.pipeline._timetable import layer_order, step_plan
 
 __all__ = ["Schedule", "SyncState", "FlushedState", "PipeDreamState", "TwoBWState", "InFlight",
@@ -298,7 +301,7 @@ class Interleaved(_OneVersion):
   device s holds chunks s, s+S, ..., s+(v-1)S, so a microbatch goes round the
   ring of stages v times (stage S-1's output of chunk j is stage 0's input
   of chunk j+1). The ticks are Megatron's order in lockstep
-  (`_timetable._interleaved`), which needs M to be a multiple of S: a step
+  (`_builders._interleaved`), which needs M to be a multiple of S: a step
   of v(M+S)+S-2 ticks of 1/v of a stage's work each, a bubble of
   (S-1)/(vM+S-1) instead of 1f1b's (S-1)/(M+S-1), at the cost of v times the
   stage-to-stage transfers and a stash of up to (v+1)S-1 chunk inputs (or
@@ -573,27 +576,21 @@ _CLASSES = {"none": NoPipeline, "gpipe": GPipe, "1f1b": OneFOneB, "2bw": TwoBW,
 
 
 def make_schedule(name: str, fns: StageFns, optimizer: optax.GradientTransformation,
-                  mesh: Mesh, num_microbatches: int, **kwargs) -> Schedule:
+                  mesh: Mesh, num_microbatches: int, options: ScheduleOptions | None = None,
+                  **kwargs) -> Schedule:
   """Returns the schedule called `name` on `mesh` (see module docstring).
 
-  Keyword arguments: `stash` ('inputs' or 'residuals', see `Engine`);
-  `vocab_parallel` (default True: the embedding and the output layer split
-  over the stages by vocabulary, every stage computing its slice of each
-  head; False: both whole on every stage, the embedding looked up on the
-  first stage and the head computed on the last, with no collective per tick);
-  `shard_optimizer` (default True: ZeRO-1, the optimizer's parameter-shaped
-  state split over 'data', see `Schedule.opt_param_specs`); `expert_parallel`
-  (default True: in a pipelined schedule on D > 1 replicas, the leaves that
-  `StageFns.expert_axes` marks are split over 'data', see
-  `Schedule.param_specs`); `predict`
-  (schedule none only: a function (params, opt_state) -> the weights the
-  gradient is taken at, e.g. `jaxpipe.optim.predicted_params`; the update is
-  applied to params, and evaluation uses params); `virtual_stages`
-  (interleaved only, default 1: the chunks of blocks per device, see
-  `Interleaved`); `overlap_sends` (default: on where the mesh's devices
-  are not CPUs; each stage-to-stage transfer placed where the tick's
-  compute hides it, see `Engine`).
+  `options` (`ScheduleOptions`, its defaults where None) holds every other
+  choice: stash, vocab_parallel, shard_optimizer, expert_parallel, predict,
+  virtual_stages, overlap_sends. Keyword arguments replace single fields of
+  it (`stash='residuals'`); one that names no field raises TypeError naming
+  it. The schedule keeps the options it was made with as `options`.
   """
+  options = dataclasses.replace(options or ScheduleOptions(), **kwargs)
   if name not in _CLASSES:
     raise ValueError(f"unknown schedule '{name}'; choose from {', '.join(SCHEDULE_NAMES)}")
-  return _CLASSES[name](fns, optimizer, mesh, num_microbatches, **kwargs)
+  # The classes take the options as `Schedule.__init__`'s keyword arguments,
+  # one per field (tests/test_options.py checks that the two agree).
+  sched = _CLASSES[name](fns, optimizer, mesh, num_microbatches, **options.as_kwargs())
+  sched.options = options
+  return sched
