@@ -15,7 +15,6 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

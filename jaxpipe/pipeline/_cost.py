@@ -317,7 +317,7 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
     # `_state_terms` leaves that field to this term.
     step.append(MemoryTerm("stash", "stash ring (slots x entry; zb1: and W's ring)", ring,
                            "state" if sched.keeps_rings else "step"))
-  # The step's embedding (`Engine._embed_step`): stage 0's inputs of every
+  # The step's embedding (`Embedding.inputs`): stage 0's inputs of every
   # microbatch it starts, looked up in the table's dtype, then cast; and the
   # stage-0 input cotangents that the longest loop with a backward stacks.
   e = engine.step_embedding
