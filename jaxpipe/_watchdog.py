@@ -21,9 +21,10 @@ called with has no Python conversion: std::bad_cast, then std::terminate).
 So `jaxpipe.launch.start` sets JAX's heartbeat timeout well beyond ours
 (`jax_heartbeat_timeout`), as a backstop that ours always beat.
 
-Either way the process prints one line on stderr, naming the lost process
-where it is known and the command that resumes, and leaves at once with
-EXIT_LOST. At once (`os._exit`), because the main thread may be blocked in a
+Either way the process's `Guard` (one per process, made by the command and
+passed to the launcher and the trainer; it holds all of this module's state)
+prints one line on stderr, naming the lost process where it is known and the
+command that resumes, and leaves at once with EXIT_LOST. At once (`os._exit`), because the main thread may be blocked in a
 collective that will never return, and an orderly exit would wait for the
 peer that is gone. Nothing is saved: the steps since the newest checkpoint
 are lost. A checkpoint that was being written stays uncommitted (orbax
@@ -46,8 +47,7 @@ import threading
 import time
 from typing import Callable, Iterator, NoReturn, Optional
 
-__all__ = ["EXIT_LOST", "configure", "lost", "message", "Peers", "watch_peers", "stop_watching",
-           "jax_heartbeat_timeout", "Watchdog", "await_loss"]
+__all__ = ["EXIT_LOST", "Guard", "Peers", "jax_heartbeat_timeout", "Watchdog"]
 
 # A process of the run was lost (or a step made no progress for
 # dist.step_timeout_s, a save for dist.save_timeout_s), and this one stopped
@@ -59,18 +59,6 @@ __all__ = ["EXIT_LOST", "configure", "lost", "message", "Peers", "watch_peers", 
 # reads it as a death by one.
 EXIT_LOST = 69
 
-_lock = threading.Lock()
-_context = {"run_dir": "", "process_id": 0, "num_processes": 1, "heartbeat_timeout_s": 0}
-_verdict = threading.Event()  # set once a loss has been declared (the exit is on its way)
-
-
-def configure(run_dir: str, process_id: int, num_processes: int,
-              heartbeat_timeout_s: float) -> None:
-  """Tells `lost` where the run's checkpoints are and which process this is."""
-  _context.update(run_dir=run_dir, process_id=process_id, num_processes=num_processes,
-                  heartbeat_timeout_s=heartbeat_timeout_s)
-
-
 def _newest_checkpoint(run_dir: str) -> Optional[int]:
   """The newest committed checkpoint's step in run_dir (orbax names them by step), or None."""
   try:
@@ -80,45 +68,94 @@ def _newest_checkpoint(run_dir: str) -> Optional[int]:
   return max(steps, default=None)
 
 
-def message(reason: str, who: Optional[int] = None) -> str:
-  """The one line `lost` prints: who was lost and why, and the command that resumes."""
-  pid, num, run_dir = (_context["process_id"], _context["num_processes"], _context["run_dir"])
-  if who is not None:
-    what = f"lost process {who} of {num} ({reason})"
-  else:
-    what = f"lost a process of the run ({reason})"
-  newest = _newest_checkpoint(run_dir) if run_dir else None
-  where = os.path.join(run_dir, "checkpoints")
-  resume = (f"from step {newest} (the newest checkpoint in {where})" if newest is not None
-            else "from step 0 (no checkpoint was committed)")
-  command = shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
-  return (f"error: {what}; process {pid} stopped without saving (exit {EXIT_LOST}). To resume "
-          f"{resume}, run the same command again on every process; this one's: {command}")
+class Guard:
+  """This process's part in ending a run when one of its processes is lost.
 
-
-def lost(reason: str, who: Optional[int] = None) -> NoReturn:
-  """Prints the loss in one line on stderr and ends this process at once with EXIT_LOST.
-
-  Callable from any thread; the first caller wins, later ones wait for the exit.
+  It knows which process this is and where the run's checkpoints are (for
+  the one line `lost` prints), runs this process's `Peers`, and remembers
+  whether a loss has been declared (`await_loss`). One per process, and no
+  state outside it: the command creates it, `jaxpipe.launch.start` fills it
+  in once the processes have met (`configure`, `watch_peers`), and the
+  trainer's step `Watchdog` reports through it.
   """
-  if not _lock.acquire(blocking=False):
-    while True:  # the first caller is printing and exiting
-      time.sleep(60)
-  _verdict.set()
-  try:
-    line = message(reason, who)
-  except Exception:  # pylint: disable=broad-except
-    line = f"error: {reason}; stopped without saving (exit {EXIT_LOST})"
-  try:
-    sys.stdout.flush()
-  except Exception:  # pylint: disable=broad-except
-    pass
-  # Straight to the descriptor: the stream object may be held by a thread
-  # that will never finish its write. On a terminal the progress bar may be
-  # mid-line: start a new one.
-  start = "\n" if os.isatty(2) else ""
-  os.write(2, (start + line + "\n").encode("utf-8", "replace"))
-  os._exit(EXIT_LOST)  # pylint: disable=protected-access
+
+  def __init__(self, run_dir: str = "", process_id: int = 0, num_processes: int = 1,
+               heartbeat_timeout_s: float = 0):
+    self.configure(run_dir, process_id, num_processes, heartbeat_timeout_s)
+    self._lock = threading.Lock()
+    self._verdict = threading.Event()  # set once a loss has been declared (the exit is on its way)
+    self._watchers: list[Peers] = []
+
+  def configure(self, run_dir: str, process_id: int, num_processes: int,
+                heartbeat_timeout_s: float) -> None:
+    """Tells `lost` where the run's checkpoints are and which process this is."""
+    self.run_dir, self.process_id, self.num_processes = run_dir, process_id, num_processes
+    self.heartbeat_timeout_s = heartbeat_timeout_s
+
+  def message(self, reason: str, who: Optional[int] = None) -> str:
+    """The one line `lost` prints: who was lost and why, and the command that resumes."""
+    if who is not None:
+      what = f"lost process {who} of {self.num_processes} ({reason})"
+    else:
+      what = f"lost a process of the run ({reason})"
+    newest = _newest_checkpoint(self.run_dir) if self.run_dir else None
+    where = os.path.join(self.run_dir, "checkpoints")
+    resume = (f"from step {newest} (the newest checkpoint in {where})" if newest is not None
+              else "from step 0 (no checkpoint was committed)")
+    command = shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    return (f"error: {what}; process {self.process_id} stopped without saving (exit "
+            f"{EXIT_LOST}). To resume {resume}, run the same command again on every process; "
+            f"this one's: {command}")
+
+  def lost(self, reason: str, who: Optional[int] = None) -> NoReturn:
+    """Prints the loss in one line on stderr and ends this process at once with EXIT_LOST.
+
+    Callable from any thread; the first caller wins, later ones wait for the exit.
+    """
+    if not self._lock.acquire(blocking=False):
+      while True:  # the first caller is printing and exiting
+        time.sleep(60)
+    self._verdict.set()
+    try:
+      line = self.message(reason, who)
+    except Exception:  # pylint: disable=broad-except
+      line = f"error: {reason}; stopped without saving (exit {EXIT_LOST})"
+    try:
+      sys.stdout.flush()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    # Straight to the descriptor: the stream object may be held by a thread
+    # that will never finish its write. On a terminal the progress bar may be
+    # mid-line: start a new one.
+    start = "\n" if os.isatty(2) else ""
+    os.write(2, (start + line + "\n").encode("utf-8", "replace"))
+    os._exit(EXIT_LOST)  # pylint: disable=protected-access
+
+  def watch_peers(self, client) -> "Peers":
+    """Starts this process's `Peers` over the service's `client` (`stop_watching` ends it)."""
+    peers = Peers(client, self.process_id, self.num_processes, self.heartbeat_timeout_s,
+                  on_lost=lambda who, reason: self.lost(reason, who)).start()
+    self._watchers.append(peers)
+    return peers
+
+  def stop_watching(self, done: bool = True) -> None:
+    """Stops `Peers`: at the end of a run every process reached (`done`), or on the way out."""
+    while self._watchers:
+      self._watchers.pop().stop(done)
+
+  def await_loss(self) -> bool:
+    """In a run of several processes, waits for a loss to be declared; False if none comes.
+
+    For an error in the main thread: a collective whose peer died fails there
+    at once (gloo's connection closed) before `Peers` has noticed the peer
+    gone, and the loss, not that error, is what to report. Waits twice the
+    heartbeat timeout (and 5 s), time enough for `Peers` to notice; a single
+    process, or a loss that never comes (a bug), returns False at once or
+    after that wait, and the error goes on.
+    """
+    if self.num_processes <= 1:
+      return False
+    return self._verdict.wait(2 * self.heartbeat_timeout_s + 5)
 
 
 def jax_heartbeat_timeout(heartbeat_timeout_s: int) -> int:
@@ -144,17 +181,17 @@ class Peers:
 
   Two daemon threads: one talks to the service (a request to a stopped
   service may block), the other checks the times and acts (`on_lost(who,
-  reason)`, `lost` by default).
+  reason)`: `Guard.watch_peers` gives its `lost`).
   """
 
   def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
-               on_lost: Optional[Callable[[Optional[int], str], None]] = None,
+               on_lost: Callable[[Optional[int], str], None],
                clock: Callable[[], float] = time.monotonic):
     self.client, self.pid, self.num = client, process_id, num_processes
     self.watched = (process_id + 1) % num_processes
     self.timeout_s, self.clock = float(timeout_s), clock
     self.interval = self.timeout_s / 5
-    self.on_lost = on_lost or (lambda who, reason: lost(reason, who))
+    self.on_lost = on_lost
     now = clock()
     self.answered = now    # the service's last answer
     self.moved = now       # when the watched counter last changed
@@ -242,39 +279,8 @@ class Peers:
         pass
 
 
-_peers: list[Peers] = []
-
-
-def watch_peers(client, process_id: int, num_processes: int, timeout_s: float) -> Peers:
-  """Starts this process's `Peers` (one per process; `stop_watching` ends it)."""
-  peers = Peers(client, process_id, num_processes, timeout_s).start()
-  _peers.append(peers)
-  return peers
-
-
-def stop_watching(done: bool = True) -> None:
-  """Stops `Peers`: at the end of a run every process reached (`done`), or on the way out."""
-  while _peers:
-    _peers.pop().stop(done)
-
-
-def await_loss() -> bool:
-  """In a run of several processes, waits for a loss to be declared; False if none comes.
-
-  For an error in the main thread: a collective whose peer died fails there
-  at once (gloo's connection closed) before `Peers` has noticed the peer
-  gone, and the loss, not that error, is what to report. Waits twice the
-  heartbeat timeout (and 5 s), time enough for `Peers` to notice; a single
-  process, or a loss that never comes (a bug), returns False at once or
-  after that wait, and the error goes on.
-  """
-  if _context["num_processes"] <= 1:
-    return False
-  return _verdict.wait(2 * _context["heartbeat_timeout_s"] + 5)
-
-
 class Watchdog:
-  """Ends the run (`lost`) when no training step finishes for `timeout_s` seconds.
+  """Ends the run (`Guard.lost`) when no training step finishes for `timeout_s` seconds.
 
   `beat()` marks a finished step; the first one arms the watchdog, since the
   first step of a process compiles, which takes as long as it takes. Inside
@@ -288,9 +294,12 @@ class Watchdog:
   """
 
   def __init__(self, timeout_s: float, on_timeout: Optional[Callable[[float], None]] = None,
-               clock: Callable[[], float] = time.monotonic, pause_timeout_s: float = 0):
-    """`on_timeout(seconds)` replaces `lost` (for tests); `clock` gives the time;
-    `pause_timeout_s` bounds each paused section (0: unbounded)."""
+               clock: Callable[[], float] = time.monotonic, pause_timeout_s: float = 0,
+               guard: Optional[Guard] = None):
+    """`on_timeout(seconds)` replaces ending the run (for tests); `clock` gives the time;
+    `pause_timeout_s` bounds each paused section (0: unbounded); `guard`: the
+    process's `Guard`, whose `lost` ends the run (a lone process's by default)."""
+    self.guard = guard or Guard()
     self.timeout_s, self.clock = float(timeout_s), clock
     self.pause_timeout_s = float(pause_timeout_s)
     self.on_timeout = on_timeout or self._lost
@@ -304,11 +313,11 @@ class Watchdog:
 
   def _lost(self, seconds: float) -> None:
     if self._late_in_pause:
-      lost(f"a checkpoint save or first evaluation did not finish in {seconds:.0f} s "
+      self.guard.lost(f"a checkpoint save or first evaluation did not finish in {seconds:.0f} s "
            f"(dist.save_timeout_s={self.pause_timeout_s:g}): a process stopped or a "
            "collective hung")
     else:
-      lost(f"no training step finished for {seconds:.0f} s (dist.step_timeout_s="
+      self.guard.lost(f"no training step finished for {seconds:.0f} s (dist.step_timeout_s="
            f"{self.timeout_s:g}): a process stopped or a collective hung")
 
   def beat(self) -> None:

@@ -144,12 +144,15 @@ def split_cpu_ops(choice: str, local_devices: int, cores: Optional[int]) -> bool
   return cores is None or cores > local_devices
 
 
-def start(cfg: Config) -> None:
+def start(cfg: Config, guard: Optional[_watchdog.Guard] = None) -> _watchdog.Guard:
   """Initialises `jax.distributed` for multi-process runs, starts the backend, checks the devices.
 
-  On CPUs with several processes, gloo's I/O thread may be made idle-class
-  (`idle_io_thread`).
+  With several processes, `guard` (the command's `jaxpipe._watchdog.Guard`;
+  a new one if None) learns which process this is and watches its peers
+  (`watch_peers`); returns it. On CPUs with several processes, gloo's I/O
+  thread may be made idle-class (`idle_io_thread`).
   """
+  guard = guard or _watchdog.Guard()
   coordinator, num, pid = distributed_settings(cfg)
   import jax  # pylint: disable=g-import-not-at-top
   if cfg.run.compile_cache:
@@ -175,7 +178,7 @@ def start(cfg: Config) -> None:
     else:
       # SLURM: everything else from the job's environment.
       jax.distributed.initialize(local_device_ids=ids, **timeouts)
-    watch_peers(cfg)
+    watch_peers(cfg, guard)
   # On CPUs, each device of the process is one of its threads: whether a
   # loop operation may also be partitioned over them (`split_cpu_ops`; the
   # backend ignores it for devices of another platform).
@@ -184,6 +187,7 @@ def start(cfg: Config) -> None:
   if num > 1 and cfg.dist.idle_io_thread and devices[0].platform == "cpu":
     idle_io_thread(new_threads, len(jax.local_devices()), pid)
   check_devices(cfg, devices)
+  return guard
 
 
 def idle_io_thread(new_threads: set[int], local_devices: int, pid: int) -> list[int]:
@@ -213,19 +217,19 @@ def idle_io_thread(new_threads: set[int], local_devices: int, pid: int) -> list[
   return done
 
 
-def watch_peers(cfg: Config) -> None:
+def watch_peers(cfg: Config, guard: _watchdog.Guard) -> None:
   """Ends this process with one line and EXIT_LOST when another one of the run is lost.
 
-  `jaxpipe._watchdog.Peers` over the coordination service's key-value store
-  (the client is `jax.distributed`'s own; without one, only the step
-  watchdog guards the run).
+  Tells `guard` which process this is, then starts its `jaxpipe._watchdog.Peers`
+  over the coordination service's key-value store (the client is
+  `jax.distributed`'s own; without one, only the step watchdog guards the run).
   """
   from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
   pid, num = jax_distributed.global_state.process_id, jax_distributed.global_state.num_processes
-  _watchdog.configure(cfg.run.dir, pid, num, cfg.dist.heartbeat_timeout_s)
+  guard.configure(cfg.run.dir, pid, num, cfg.dist.heartbeat_timeout_s)
   client = jax_distributed.global_state.client
   if client is not None:
-    _watchdog.watch_peers(client, pid, num, cfg.dist.heartbeat_timeout_s)
+    guard.watch_peers(client)
 
 
 def check_devices(cfg: Config, devices) -> None:

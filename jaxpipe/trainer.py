@@ -256,14 +256,18 @@ def _rows_of_process(sharding: jax.sharding.NamedSharding, shape) -> tuple[int, 
 _say = _loop.say
 
 
-def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[str, Any]:
+def train(cfg: Config, *, require_resume: bool = False, devices=None,
+          guard: Optional[_watchdog.Guard] = None) -> dict[str, Any]:
   """Trains according to `cfg`; returns a summary dict (and writes run.dir).
 
   Resumes from the newest checkpoint in `run.dir` if there is one (with a
   compatible config, possibly on another mesh); with none, starts at step 0,
   also over the records of an earlier attempt of the same config that
   stopped before its first checkpoint (`jaxpipe.resume`). `require_resume`
-  makes a missing checkpoint an error. Raises InputError subclasses for bad
+  makes a missing checkpoint an error. `guard`: the process's
+  `jaxpipe._watchdog.Guard` (from `jaxpipe.launch.start`), through which a
+  step or save that hangs ends a run of several processes; a lone process's
+  by default. Raises InputError subclasses for bad
   input; KeyboardInterrupt(signal number) on a second SIGINT/SIGTERM (without
   waiting for a save in progress); returns with summary["exit_code"] 0,
   EXIT_NONFINITE or EXIT_INTERRUPTED.
@@ -290,7 +294,7 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None) -> dict[st
                         async_save=run.cfg.checkpoint.async_save)
     try:
       start = resume.begin(run, ckpt, require_resume=require_resume, init_params=init_params)
-      return _train(run, ckpt, start)
+      return _train(run, ckpt, start, guard or _watchdog.Guard())
     except (KeyboardInterrupt, WriteFailed):
       # Stop now: a save in progress is left unfinished, and ignored later;
       # after a failed write, waiting for the other writers could block.
@@ -337,8 +341,10 @@ def _evaluation(run: Run, batches: _Batches, watch: _watchdog.Watchdog) -> _loop
   return _loop.Evaluation(run.schedule, placed, cfg.eval.every, cfg.run.steps, watch)
 
 
-def _train(run: Run, ckpt: Checkpointer, begun: resume.Start) -> dict[str, Any]:
-  """The loop of `train` from where `begun` starts, with the checkpointer `train` closes."""
+def _train(run: Run, ckpt: Checkpointer, begun: resume.Start,
+           guard: _watchdog.Guard) -> dict[str, Any]:
+  """The loop of `train` from where `begun` starts, with the checkpointer `train` closes;
+  `guard` ends the run when a step or a save hangs (several processes)."""
   cfg, schedule = run.cfg, run.schedule
   steps, kill = cfg.run.steps, config_lib.kill_point(cfg.run.debug_kill)
   need = cfg.pipeline.stages * cfg.mesh.data
@@ -351,7 +357,8 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start) -> dict[str, Any]:
   # ends the run, as a lost process does (jaxpipe._watchdog).
   several = jax.process_count() > 1
   watch = _watchdog.Watchdog(cfg.dist.step_timeout_s if several else 0,
-                             pause_timeout_s=cfg.dist.save_timeout_s if several else 0)
+                             pause_timeout_s=cfg.dist.save_timeout_s if several else 0,
+                             guard=guard)
   evaluate = _evaluation(run, batches, watch)
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
   writes = _writes.Watch()

@@ -72,9 +72,10 @@ def test_a_paused_section_has_a_bound_of_its_own():
 def test_a_late_pause_is_reported_as_a_save(monkeypatch):
   """The line names the bound that ran out: dist.save_timeout_s inside a pause."""
   said = []
-  monkeypatch.setattr(_watchdog, "lost", lambda reason, who=None: said.append(reason))
+  guard = _watchdog.Guard()
+  monkeypatch.setattr(guard, "lost", lambda reason, who=None: said.append(reason))
   clock = _Clock()
-  dog = _watchdog.Watchdog(10, clock=clock, pause_timeout_s=60)
+  dog = _watchdog.Watchdog(10, clock=clock, pause_timeout_s=60, guard=guard)
   dog.beat()
   with dog.paused():
     clock.now += 61
@@ -185,11 +186,7 @@ def test_jax_heartbeats_are_only_the_backstop():
 def test_the_line_names_the_process_and_the_command(tmp_path):
   (tmp_path / "checkpoints" / "3").mkdir(parents=True)
   (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()  # uncommitted: not named
-  _watchdog.configure(str(tmp_path), 0, 2, 3)
-  try:
-    line = _watchdog.message("its heartbeats stopped", 1)
-  finally:
-    _watchdog.configure("", 0, 1, 0)
+  line = _watchdog.Guard(str(tmp_path), 0, 2, 3).message("its heartbeats stopped", 1)
   assert "\n" not in line
   assert line.startswith("error: lost process 1 of 2 (its heartbeats stopped); process 0 stopped "
                          f"without saving (exit {trainer.EXIT_LOST})")

@@ -52,14 +52,18 @@ def main(argv=None) -> int:
 
   from jaxpipe import _watchdog, _writes, launch  # pylint: disable=g-import-not-at-top
   from jaxpipe.errors import InputError  # pylint: disable=g-import-not-at-top
+  # This process's watch over the others of its run: the launcher fills it
+  # in, the trainer's step watchdog reports through it, and an error below
+  # asks it whether a loss is on its way.
+  guard = _watchdog.Guard()
   try:
     cfg = config_lib.load(args.config, args.overrides)
     launch.prepare_devices(cfg)  # must run before JAX starts its backend
     from jaxpipe import trainer  # pylint: disable=g-import-not-at-top
-    launch.start(cfg)
-    summary = trainer.train(cfg, require_resume=args.resume)
+    launch.start(cfg, guard)
+    summary = trainer.train(cfg, require_resume=args.resume, guard=guard)
     # Every process got here: none may now take another's exit for a loss.
-    _watchdog.stop_watching(done=True)
+    guard.stop_watching(done=True)
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
     # is what to report, not this error. The thread that declares the loss
     # prints its line and ends the process; raising here would race it with
     # a traceback, so this thread waits for that exit.
-    if _watchdog.await_loss():
+    if guard.await_loss():
       while True:
         time.sleep(60)
     raise
