@@ -10,15 +10,15 @@ asked. What each of those does lives here:
 - `NonFinitePolicy`: `run.nan_policy` (stop on, or skip, a non-finite update).
 - `Evaluation`: the validation batches and when to run them.
 - `CheckpointPolicy`: when to save, and never the same step twice.
-- (`jaxpipe._watchdog.Watchdog`, which `Report`, `Evaluation` and
-  `CheckpointPolicy` keep informed: a run of several processes stops when
-  no step finishes for `dist.step_timeout_s`, or a save for
-  `dist.save_timeout_s`.)
+- (`jaxpipe._watchdog.Watchdog`, which `jaxpipe._report.Report`,
+  `Evaluation` and `CheckpointPolicy` keep informed: a run of several
+  processes stops when no step finishes for `dist.step_timeout_s`, or a save
+  for `dist.save_timeout_s`.)
 - `Feed`: the next batch placed on the devices while the current step runs.
 - `host_schedule`: the learning rate of every step, read on the host.
-- `Report`: reads each step's metrics (one step behind the dispatch), times
-  it, records it, shows progress (a bar on a terminal, a plain line every
-  `run.log_every` steps in a redirected log), and keeps the run's summary.
+
+Each step's record, timing, progress and the run's summary are
+`jaxpipe._report`'s, which joins these `Metrics` and `Profile`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import math
 import os
 import signal
 import sys
-import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -41,7 +40,7 @@ from jaxpipe import config as config_lib
 from jaxpipe._writes import WriteFailed
 
 __all__ = ["Metrics", "Profile", "Signals", "NonFinitePolicy", "Evaluation",
-           "CheckpointPolicy", "Feed", "host_schedule", "Report", "say", "kill_at"]
+           "CheckpointPolicy", "Feed", "host_schedule", "say", "kill_at"]
 
 
 def say(msg: str) -> None:
@@ -49,14 +48,6 @@ def say(msg: str) -> None:
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   tqdm.write(msg, file=sys.stderr)
   sys.stderr.flush()
-
-
-def _is_terminal(stream: Any) -> bool:
-  """Whether `stream` is a terminal (a file, a pipe or a stream without a descriptor is not)."""
-  try:
-    return stream.isatty()
-  except (AttributeError, ValueError, OSError):
-    return False
 
 
 def kill_at(point: Optional[tuple[str, int]], moment: str, step: int) -> None:
@@ -408,164 +399,3 @@ def host_schedule(schedule: Callable[[Any], Any], steps: int) -> Callable[[int],
   def at(k: int) -> float:
     return float(table[min(max(int(k), 0), steps)])
   return at
-
-
-class Report:
-  """Each step's record: timing, metrics.jsonl, progress on stderr and the run's summary.
-
-  The loop hands over step k's metrics while step k+1 runs (`settle`): the
-  host reads them only then, so reading never stalls the device queue.
-  Progress (`run.progress`) is a bar on a terminal; where stderr is a file or
-  a pipe, a bar's carriage-return redraws would fill the log, so a plain line
-  is written every `run.log_every` steps instead.
-  """
-
-  def __init__(self, cfg: Any, lr_schedule: Callable[[int], float], start: int, lag: int,
-               is_main: bool, policy: NonFinitePolicy, peak: Optional[float] = None,
-               kill: Optional[tuple[str, int]] = None, epoch_sequences: int = 0,
-               watchdog: Optional[_watchdog.Watchdog] = None,
-               writes: Optional[_writes.Watch] = None):
-    """`epoch_sequences`: the sequences in one pass over the training split (0: no epochs);
-    `watchdog`: the run's step watchdog, told of each step that finished; `writes`:
-    the run's write watch (`Metrics`)."""
-    self.cfg, self.lr_schedule, self.start, self.policy, self.kill = (
-        cfg, lr_schedule, start, policy, kill)
-    self.watchdog = watchdog or _watchdog.Watchdog(0)
-    self.log = Metrics(cfg.run.dir, start, lag, is_main, writes)
-    self.last_val: Optional[tuple[int, float]] = None  # (after step, loss) of the newest evaluation
-    self.profile = Profile(cfg.run.profile, cfg.run.dir, is_main)
-    self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    self.epoch_sequences = epoch_sequences
-    from jaxpipe import model as model_lib  # pylint: disable=g-import-not-at-top
-    # Useful model FLOPs per step, spread over every device of the mesh.
-    self.flops_per_device = (model_lib.flops_per_token(cfg.model, cfg.data.seq_len)
-                             * self.tokens_per_step / (cfg.pipeline.stages * cfg.mesh.data))
-    self.peak = peak  # the device's dense bf16 TFLOP/s, if known (for MFU)
-    self.summary: dict[str, Any] = {"exit_code": 0, "skipped": 0, "start_step": start,
-                                    "is_main": is_main, "first_val_loss": None}
-    self.step_times: dict[int, float] = {}
-    self.steady = [0, 0.0]  # steps after the first, and their seconds
-    self.ready: Optional[float] = None
-    self.t_run = time.time()
-    self.bar = None
-    self.lines = is_main and cfg.run.progress and not _is_terminal(sys.stderr)
-    if is_main and cfg.run.progress and not self.lines:
-      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-      self.bar = tqdm(total=cfg.run.steps, initial=start, unit="step", dynamic_ncols=True,
-                      file=sys.stderr, desc=f"{cfg.pipeline.schedule}")
-
-  def speed(self, seconds: Optional[float]) -> dict[str, float]:
-    """Tokens per second, TFLOP/s per device and (with a known peak) MFU of a step's time."""
-    if not seconds:
-      return {}
-    out = {"tokens_per_s": self.tokens_per_step / seconds,
-           "tflops_per_device": self.flops_per_device / seconds / 1e12}
-    if self.peak:
-      out["mfu"] = out["tflops_per_device"] / self.peak
-    return out
-
-  def validation(self, step: int, loss: Optional[float]) -> None:
-    """Writes an evaluation record (once per step)."""
-    if step not in self.log.val_steps:
-      self.log.write({"step": step, "val_loss": loss})
-      self.log.val_steps.add(step)
-    if loss is not None:
-      self.last_val = (step, loss)
-
-  def epoch(self, k: int) -> Optional[float]:
-    """Passes over the training split once batch k is drawn (fractional), or None."""
-    if not self.epoch_sequences:
-      return None
-    return float(f"{(k + 1) * self.cfg.data.batch_size / self.epoch_sequences:.6g}")
-
-  def record(self, k: int, loss: float, extra: dict[str, Any]) -> None:
-    """Writes batch k's training record."""
-    # The rate comes out of float32 arithmetic: print its 7 significant digits.
-    seconds = self.step_times.pop(k, None)
-    rec = {"step": k, "loss": loss, "lr": float(f"{self.lr_schedule(k):.7g}"),
-           "tokens": (k + 1) * self.tokens_per_step, "epoch": self.epoch(k),
-           "step_time_s": seconds, **self.speed(seconds)}
-    rec.update(extra)
-    self.log.write(rec)
-    self.summary["train_loss"] = loss
-    self.summary["train_loss_step"] = k
-    self.summary["epoch"] = rec["epoch"]
-    kill_at(self.kill, "record", k)
-
-  def settle(self, k: int, met_dev: Any, dispatched: float) -> bool:
-    """Reads step k's metrics (waiting for it) and records them; False: stop (non-finite)."""
-    met = jax.device_get(met_dev)
-    self.watchdog.beat()
-    now = time.time()
-    # A step's time is the interval between two steps' completions, so time
-    # the host spends between steps (and a stalled device) is counted.
-    seconds = self.step_times[k] = now - (self.ready if self.ready is not None else dispatched)
-    self.ready = now
-    if k > self.start:  # the first step of a process includes compilation
-      self.steady[0] += 1
-      self.steady[1] += self.step_times[k]
-    j = int(met["loss_step"])
-    finite = self.policy.observe(met)
-    self.summary["skipped"] = self.policy.skipped
-    if j >= 0:
-      self.record(j, float(met["loss"]), {"grad_norm": float(met["grad_norm"]),
-                                          "skipped": self.policy.skipped})
-    if not finite and not self.policy.proceed(k, met):
-      return False
-    # The evaluation after step k (if any) ran before this step's metrics were read.
-    val = self.last_val[1] if self.last_val and self.last_val[0] == k + 1 else None
-    due = j >= 0 and ((k + 1) % self.cfg.run.log_every == 0 or k + 1 == self.cfg.run.steps
-                      or val is not None)
-    if self.bar is not None:
-      if due:
-        fast = self.speed(seconds)
-        self.bar.set_postfix(loss=f"{float(met['loss']):.4f}",
-                             **({"val": f"{val:.4f}"} if val is not None else {}),
-                             tok_s=f"{fast.get('tokens_per_s', 0):.0f}",
-                             **({"mfu": f"{fast['mfu']:.1%}"} if "mfu" in fast else {}))
-      self.bar.update(1)
-    elif self.lines and due:
-      say(self.progress_line(k, j, float(met["loss"]), seconds))
-    self.profile.after(k)
-    return True
-
-  def progress_line(self, k: int, j: int, loss: float, seconds: Optional[float]) -> str:
-    """The plain progress line after step k (of `seconds`), whose metrics carry batch j's loss.
-
-    Steps are counted from 1 (step k + 1 is the (k+1)-th update); a loss that
-    arrives a step late (2bw) names its own step in the same count, and the
-    validation loss is shown when an evaluation ran after this step.
-    """
-    fast = self.speed(seconds)
-    parts = [f"{self.cfg.pipeline.schedule} step {k + 1}/{self.cfg.run.steps}",
-             f"loss {loss:.4f}" + (f" (of step {j + 1})" if j != k else ""),
-             f"lr {self.lr_schedule(j):.3g}"]
-    if self.last_val and self.last_val[0] == k + 1:
-      parts.insert(2, f"val loss {self.last_val[1]:.4f}")
-    if self.epoch(j) is not None:
-      parts.append(f"epoch {self.epoch(j):.2f}")
-    if k == self.start:
-      parts.append(f"{seconds or 0:.1f} s with compilation")
-    elif fast:
-      parts.append(f"{fast['tokens_per_s']:,.0f} tokens/s"
-                   + (f", MFU {fast['mfu']:.1%}" if "mfu" in fast else ""))
-    return " | ".join(parts)
-
-  def finish(self, state: Any, run: Any) -> dict[str, Any]:
-    """The summary: timing, throughput after compilation, the final state."""
-    s = self.summary
-    s.update({"steps": self.cfg.run.steps, "elapsed_s": time.time() - self.t_run,
-              "tokens_per_s": (self.steady[0] * self.tokens_per_step / self.steady[1]
-                               if self.steady[1] else 0.0),
-              "state": state, "run": run})
-    if self.peak and self.steady[1]:
-      s["mfu"] = self.speed(self.steady[1] / self.steady[0])["mfu"]
-    return s
-
-  def close(self, *, abandon: bool = False) -> None:
-    """Stops the profile, the bar and the files (`abandon`: after a failed write, see Metrics)."""
-    if not abandon:
-      self.profile.close()
-    if self.bar is not None:
-      self.bar.close()
-    self.log.close(abandon=abandon)

@@ -5,8 +5,8 @@ build, begin (one call into `jaxpipe.resume`, which starts fresh or resumes,
 on whatever mesh), then per step fetch a batch, run the schedule's jitted
 step, log, evaluate, checkpoint; stop cleanly on SIGTERM/SIGINT; guard
 against non-finite values; finish. The loop (`_train`) is short on purpose:
-each concern it calls is a named piece of `jaxpipe._loop`, and the work lives
-in the packages those call.
+each concern it calls is a named piece of `jaxpipe._loop` or `jaxpipe._report`,
+and the work lives in the packages those call.
 
 Files in `run.dir`:
   config.yaml    the resolved config (and the git commit that ran it)
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe import _loop
+from jaxpipe import _report
 from jaxpipe import _watchdog
 from jaxpipe import _writes
 from jaxpipe import accel
@@ -341,6 +342,20 @@ def _evaluation(run: Run, batches: _Batches, watch: _watchdog.Watchdog) -> _loop
   return _loop.Evaluation(run.schedule, placed, cfg.eval.every, cfg.run.steps, watch)
 
 
+def _report_for(run: Run, start: int, policy: _loop.NonFinitePolicy, watch: _watchdog.Watchdog,
+                writes: _writes.Watch, kill: Optional[tuple[str, int]]) -> _report.Report:
+  """The run's `jaxpipe._report.Report`, from `start`: its records, progress, summary, profile."""
+  cfg, main = run.cfg, jax.process_index() == 0
+  lr = _loop.host_schedule(run.lr_schedule, cfg.run.steps)
+  throughput = _report.Throughput(cfg, peak_tflops(cfg), start,
+                                  run.data.num_sequences("train", cfg.data.seq_len))
+  log = _loop.Metrics(cfg.run.dir, start, run.schedule.loss_lag, main, writes)
+  return _report.Report(_report.Records(log, lr, throughput, kill),
+                        _report.Progress(cfg, start, main, lr, throughput),
+                        _report.Summary(start, main),
+                        _loop.Profile(cfg.run.profile, cfg.run.dir, main), policy, watch)
+
+
 def _train(run: Run, ckpt: Checkpointer, begun: resume.Start,
            guard: _watchdog.Guard) -> dict[str, Any]:
   """The loop of `train` from where `begun` starts, with the checkpointer `train` closes;
@@ -363,10 +378,7 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start,
   policy = _loop.NonFinitePolicy(cfg.run.nan_policy, schedule)
   writes = _writes.Watch()
   ckpt.watch = writes
-  report = _loop.Report(cfg, _loop.host_schedule(run.lr_schedule, steps), start,
-                        schedule.loss_lag, jax.process_index() == 0, policy, peak_tflops(cfg),
-                        kill, epoch_sequences=run.data.num_sequences("train", cfg.data.seq_len),
-                        watchdog=watch, writes=writes)
+  report = _report_for(run, start, policy, watch, writes, kill)
 
   def poison(step: int, batch: dict) -> dict:
     if step == cfg.run.debug_nan_step:
@@ -380,8 +392,8 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start,
                          resume.checkpoint_meta(cfg, k)),
       watchdog=watch)
   if start == 0 and evaluate.batches:
-    report.summary["first_val_loss"] = evaluate(state)
-    report.validation(0, report.summary["first_val_loss"])
+    report.summary.first_val_loss = evaluate(state)
+    report.validation(0, report.summary.first_val_loss)
 
   def stop_nonfinite() -> None:
     # The step after the bad one did nothing (go was false), so `state` is
@@ -390,7 +402,7 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start,
     saves.save(k + 1, wait=True, crash_point=False)
     _say(f"stopped: non-finite loss or gradient of batch {batch_k} (step {k}) {where}; "
          f"the last good state is saved as step {k + 1} in {ckpt.directory}")
-    report.summary["exit_code"] = EXIT_NONFINITE
+    report.summary.exit_code = EXIT_NONFINITE
 
   pending = None  # (step, its metrics on the device, dispatch time)
   with _loop.Signals() as signals, watch, writes:
@@ -422,7 +434,7 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start,
           saves.save(done, wait=True, crash_point=False)
           _say(f"interrupted by {signal.Signals(signals.stop).name} after step {done} of "
                f"{steps}: checkpoint saved in {ckpt.directory}; run the same command to resume")
-          report.summary["exit_code"] = EXIT_INTERRUPTED
+          report.summary.exit_code = EXIT_INTERRUPTED
           break
       else:
         if pending is not None and not report.settle(*pending):
@@ -439,7 +451,7 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start,
       report.close()
       raise
     report.close()
-  report.summary["peak_memory_gib"] = accel.write_device_memory(
+  report.summary.peak_memory_gib = accel.write_device_memory(
       cfg.run.dir, jax.local_devices(), jax.process_index(), jax.process_count())
   return report.finish(state, run)
 
@@ -452,7 +464,7 @@ def _newest(ckpt: Checkpointer) -> Optional[int]:
     return None
 
 
-def _finish(run: Run, report: _loop.Report, saves: _loop.CheckpointPolicy,
+def _finish(run: Run, report: _report.Report, saves: _loop.CheckpointPolicy,
             evaluate: _loop.Evaluation, state: Any, start: int) -> None:
   """The end of a run: the last batch's loss, the final evaluation and checkpoint.
 
@@ -460,18 +472,18 @@ def _finish(run: Run, report: _loop.Report, saves: _loop.CheckpointPolicy,
   run is started again: its last reports are redone.
   """
   done = run.cfg.run.steps
-  if start == done and report.summary["is_main"]:
+  if start == done and report.summary.is_main:
     _say(f"the run in {run.cfg.run.dir} is already complete at step {done}; raise run.steps "
          "to continue it")
   pending_loss = run.schedule.pending_loss(state)
   if pending_loss is not None:
     # The last batch's gradient is still in flight: it has no norm yet.
     report.record(done - 1, float(pending_loss), {"grad_norm": None,
-                                                  "skipped": report.summary["skipped"]})
+                                                  "skipped": report.summary.skipped})
   val = evaluate(state)
   if val is not None:
     report.validation(done, val)
-    report.summary["val_loss"] = val
+    report.summary.val_loss = val
   saves.save(done)
 
 

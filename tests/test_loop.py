@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpipe import _loop
+from jaxpipe import _report
 
 
 class _FakeCheckpointer:
@@ -190,15 +191,14 @@ def test_the_progress_line_counts_steps_one_way_and_shows_the_validation_loss(tm
   cfg = config.load(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"),
                     [f"run.dir={tmp_path}", "run.steps=40", "pipeline.schedule=2bw",
                      "pipeline.stages=2"])
-  report = _loop.Report(cfg, lambda k: 1e-3, 0, 1, True,
-                        _loop.NonFinitePolicy("skip", _FakeSchedule()))
+  progress = _report.Progress(cfg, 0, True, lambda k: 1e-3, _report.Throughput(cfg, None, 0))
   try:
     # 2bw reads step 39's metrics with the loss of step 38 (batch 37, counted from 0).
-    assert report.progress_line(38, 37, 3.0, 0.1).startswith(
+    assert progress.line(38, 37, 3.0, 0.1).startswith(
         "2bw step 39/40 | loss 3.0000 (of step 38) | lr 0.001")
-    report.validation(39, 2.5)  # the evaluation after step 39
-    line = report.progress_line(38, 37, 3.0, 0.1)
+    progress.validation(39, 2.5)  # the evaluation after step 39
+    line = progress.line(38, 37, 3.0, 0.1)
     assert line.startswith("2bw step 39/40 | loss 3.0000 (of step 38) | val loss 2.5000 | lr")
-    assert "val loss" not in report.progress_line(39, 38, 3.0, 0.1)  # only on its own step
+    assert "val loss" not in progress.line(39, 38, 3.0, 0.1)  # only on its own step
   finally:
-    report.close()
+    progress.close()
