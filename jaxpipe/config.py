@@ -26,11 +26,11 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 
 from jaxpipe.errors import ConfigError
-# The model owns its section and its choices; this module composes the sections.
-from jaxpipe.model import DTYPE_NAMES, ModelConfig, MoEConfig
+# The model owns its section, its choices and its checks; this module composes the sections.
+from jaxpipe.model import DTYPE_NAMES, ModelConfig, MoEConfig, validate as validate_model
 # The pipeline's choices and rules, read without JAX (its plans are plain Python).
 from jaxpipe.pipeline import (LAYOUTS, PIPELINED, SCHEDULE_NAMES, Layout, ScheduleName, StashMode,
-                              experts_split, min_microbatches)
+                              experts_split, min_microbatches, vocab_parallel as split_vocab)
 
 __all__ = [
     "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",
@@ -129,15 +129,8 @@ class PipelineConfig:
   # (whole on every stage; the first looks up, the last computes the head,
   # nothing exchanged per tick; the last stage does the head's work on top of
   # its blocks), or `auto`: last_stage when the head costs at most
-  # HEAD_ON_LAST_STAGE (5%) of a stage's block work, else vocab_parallel.
+  # jaxpipe.pipeline.HEAD_ON_LAST_STAGE (5%) of a stage's block work, else vocab_parallel.
   head: Head = "auto"
-
-
-# `pipeline.head=auto` keeps the output layer on the last stage while it
-# adds at most this share to that stage's work per token: below it the
-# imbalance costs less than the vocabulary split's collectives
-# (docs/benchmark.md).
-HEAD_ON_LAST_STAGE = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -560,25 +553,19 @@ def _check(cond: bool, message: str) -> None:
 def vocab_parallel(model: ModelConfig, pipeline: PipelineConfig) -> bool:
   """Whether a run splits its embedding and head over the stages (`pipeline.head`).
 
-  `auto` compares the head's matmul parameters (dim x vocab) with a stage's
-  blocks' (attention and MLP, L/S blocks): at most HEAD_ON_LAST_STAGE of
-  them puts the head on the last stage. `model.vocab_size` must be resolved.
+  The pipeline's rule (`jaxpipe.pipeline.vocab_parallel`) on this model's
+  sizes; `model.vocab_size` must be resolved.
   """
-  if pipeline.head != "auto":
-    return pipeline.head == "vocab_parallel"
-  from jaxpipe.model import ffn_dim  # pylint: disable=g-import-not-at-top
-  head_dim = model.dim // model.n_heads
-  attn = model.dim * head_dim * (2 * model.n_heads + 2 * model.n_kv_heads)
-  hidden = model.moe.ffn_dim or ffn_dim(model) if model.moe.num_experts else ffn_dim(model)
-  mlp = 3 * model.dim * hidden * (model.moe.top_k if model.moe.num_experts else 1)
-  stage = model.n_layers / max(pipeline.stages, 1) * (attn + mlp)
-  return model.dim * model.vocab_size > HEAD_ON_LAST_STAGE * stage
+  from jaxpipe.model import block_matmul_params  # pylint: disable=g-import-not-at-top
+  return split_vocab(pipeline.head, head_params=model.dim * model.vocab_size,
+                     block_params=block_matmul_params(model), num_layers=model.n_layers,
+                     num_stages=pipeline.stages)
 
 
 def validate(cfg: Config) -> None:
   """Checks values and the arithmetic between sections; raises ConfigError."""
   _validate_run_and_data(cfg)
-  _validate_model(cfg.model)
+  validate_model(cfg.model)
   _validate_pipeline(cfg)
   _validate_optimizer(cfg.optimizer)
   _validate_checkpoint_eval_dist(cfg)
@@ -596,23 +583,6 @@ def _validate_run_and_data(cfg: Config) -> None:
   profile_window(r.profile)
   kill_point(r.debug_kill)
   device_ids(cfg.dist.local_device_ids)
-
-
-def _validate_model(m: ModelConfig) -> None:
-  """model.*: sizes, head arithmetic, choices, the MoE part."""
-  for key in ("dim", "n_layers", "n_heads", "n_kv_heads"):
-    _check(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
-  _check(m.dim % m.n_heads == 0,
-         f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-  _check((m.dim // m.n_heads) % 2 == 0,
-         f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
-  _check(m.n_heads % m.n_kv_heads == 0,
-         f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-  _check(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0 = no chunking), got {m.loss_chunk}")
-  if m.moe.num_experts:
-    _check(1 <= m.moe.top_k <= m.moe.num_experts,
-           f"model.moe.top_k={m.moe.top_k} must be between 1 and model.moe.num_experts={m.moe.num_experts}")
-    _check(m.moe.capacity_factor > 0, "model.moe.capacity_factor must be > 0")
 
 
 def _validate_pipeline(cfg: Config) -> None:
