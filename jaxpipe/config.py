@@ -14,11 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
-import io
-import json
-import textwrap
-import tokenize
 import types
 import typing
 from typing import Any, Literal, Mapping, Sequence
@@ -38,7 +33,7 @@ __all__ = [
     "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict", "experts_split",
     "OPTIMIZERS", "LR_SCHEDULES", "NAN_POLICIES", "ADAN_FORMS", "NS_PRESETS", "apply_overrides",
     "validate", "profile_window", "kill_point", "KILL_MOMENTS",
-    "field_notes", "describe", "MESH_LAYOUTS", "device_ids", "vocab_parallel", "HEAD_CHOICES",
+    "MESH_LAYOUTS", "device_ids", "vocab_parallel", "HEAD_CHOICES",
 ]
 
 # The config's own choices; the pipeline's and the model's are theirs, imported above.
@@ -244,61 +239,6 @@ class Config:
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   dist: DistConfig = dataclasses.field(default_factory=DistConfig)
-
-
-def field_notes(cls: type) -> dict[str, str]:
-  """Each field's documentation: the comment beside it, or the comment lines just above it.
-
-  Read from the class's source, where the fields are documented; empty when
-  the source is not available (an installed package without .py files).
-  """
-  try:
-    source = textwrap.dedent(inspect.getsource(cls))
-    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-  except (OSError, TypeError, tokenize.TokenError):
-    return {}
-  comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens
-              if t.type == tokenize.COMMENT}
-  lines = source.splitlines()
-  names = {f.name for f in dataclasses.fields(cls)}
-  notes = {}
-  for number, line in enumerate(lines, 1):
-    name = line.strip().split(":", 1)[0]
-    if name not in names or ":" not in line:
-      continue
-    above, at = [], number - 1
-    while at in comments and lines[at - 1].lstrip().startswith("#"):
-      above.insert(0, comments[at])
-      at -= 1
-    notes[name] = comments.get(number) or " ".join(above)
-  return notes
-
-
-def describe(cls: type | None = None, prefix: str = "") -> list[str]:
-  """Every config key with its default and its documentation, one line each, by section.
-
-  Generated from the dataclasses, so it lists exactly the keys `load` accepts
-  (`train.py --help` prints it).
-  """
-  cls = Config if cls is None else cls
-  out, sections = [], []
-  notes, hints = field_notes(cls), typing.get_type_hints(cls)
-  for f in dataclasses.fields(cls):
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    if dataclasses.is_dataclass(default):
-      sections.append((type(default), f"{prefix}{f.name}"))
-      continue
-    text = json.dumps(default)
-    choices = _choices(hints.get(f.name))
-    if choices:
-      text += f" (one of {' | '.join(choices)})"
-    note = f"  # {notes[f.name]}" if notes.get(f.name) else ""
-    out.append(f"  {f.name}: {text}{note}")
-  if out:
-    out.insert(0, f"{prefix[:-1]}:")
-  for sub, name in sections:
-    out += describe(sub, name + ".")
-  return out
 
 
 def _choices(typ: Any) -> tuple[str, ...]:
