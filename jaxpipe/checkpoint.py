@@ -19,7 +19,7 @@ key, so the state is now saved alone. Every reader here takes both: an old
 pair's key is read (orbax restores a sequence whole) and dropped, and its
 arrays are named as the state's own (`saved_pair`).
 
-A checkpoint written on one mesh can be read on another (`LAYOUT_KEYS`):
+A checkpoint written on one mesh can be read on another (`jaxpipe.resume.LAYOUT_KEYS`):
 `restore` reads it into the shardings of a state shaped like this run's;
 `saved_shapes` and `restore_arrays` read the arrays a changed mesh can use
 as they were saved, for the schedule to fit (`Schedule.resume`). Which of
@@ -40,37 +40,7 @@ import orbax.checkpoint as ocp
 from jaxpipe._writes import WriteFailed
 from jaxpipe.errors import CheckpointError
 
-__all__ = ["Checkpointer", "RESUMABLE_KEYS", "LAYOUT_KEYS", "config_differences",
-           "check_compatible", "path_key"]
-
-# Config keys a resumed run may change; everything else must match the
-# checkpoint, since it changes what the saved state means.
-RESUMABLE_KEYS = frozenset({
-    "run.dir", "run.steps", "run.log_every", "run.progress", "run.nan_policy",
-    "run.debug_nan_step", "run.peak_tflops", "run.profile",
-    "data.cache_dir", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
-    "eval.every", "eval.batches", "dist.coordinator", "dist.num_processes", "dist.process_id",
-    "run.debug_kill",
-    # How the same function is computed, not what the state holds: rounding apart.
-    "model.loss_chunk", "model.attention", "mesh.shard_optimizer",
-    # Where a fresh run's weights came from; a resumed run has its own.
-    "model.init_from",
-    # How and where the same program runs: XLA's flags, its compilation cache,
-    # which devices a process takes and how the mesh is laid over the nodes,
-    # the host's malloc arenas, whether XLA splits an operation over threads
-    # and gloo's I/O thread on CPUs.
-    "run.deterministic", "run.compile_cache", "dist.local_device_ids", "mesh.layout",
-    "run.cpu_malloc_arenas", "run.cpu_split_ops", "dist.idle_io_thread",
-    # When a run of several processes gives up on a lost one.
-    "dist.heartbeat_timeout_s", "dist.init_timeout_s", "dist.shutdown_timeout_s",
-    "dist.step_timeout_s", "dist.save_timeout_s",
-})
-
-# Keys that change the mesh: a resumed run may change them where its schedule
-# can carry its state over (`Schedule.check_relayout`); the global batch stays.
-LAYOUT_KEYS = frozenset({"mesh.data", "pipeline.stages", "mesh.expert_parallel",
-                         "pipeline.head"})
-
+__all__ = ["Checkpointer", "path_key", "flatten_dict"]
 
 def path_key(path) -> str:
   """A pytree path as orbax names the array: 'inflight.stash.1'."""
@@ -126,36 +96,6 @@ def flatten_dict(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     else:
       out[f"{prefix}{key}"] = value
   return out
-
-
-def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
-                       allowed=RESUMABLE_KEYS) -> list[str]:
-  """Lists `key: saved -> current` for every differing key not in `allowed`.
-
-  A key the saved config lacks (written before the key existed) counts as
-  its default value.
-  """
-  from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
-  defaults = flatten_dict(config_lib.to_dict(config_lib.Config()))
-  a, b = {**defaults, **flatten_dict(saved)}, flatten_dict(current)
-  diffs = []
-  for key in sorted(set(a) | set(b)):
-    if key in allowed:
-      continue
-    if a.get(key, "<absent>") != b.get(key, "<absent>"):
-      diffs.append(f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}")
-  return diffs
-
-
-def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], where: str,
-                     allowed=RESUMABLE_KEYS | LAYOUT_KEYS) -> None:
-  """Raises CheckpointError naming the differences that forbid resuming."""
-  diffs = config_differences(saved, current, allowed)
-  if diffs:
-    shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
-    raise CheckpointError(
-        f"the checkpoint in {where} was written with a different config ({shown}); "
-        "resume with the saved config, or choose a new run.dir")
 
 
 class _DropInterrupts(logging.Filter):

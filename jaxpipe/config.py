@@ -14,11 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
-import io
-import json
-import textwrap
-import tokenize
 import types
 import typing
 from typing import Any, Literal, Mapping, Sequence
@@ -26,11 +21,11 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 
 from jaxpipe.errors import ConfigError
-# The model owns its section and its choices; this module composes the sections.
-from jaxpipe.model import ATTENTION_SETTINGS, DTYPE_NAMES, REMAT_POLICIES, ModelConfig, MoEConfig
+# The model owns its section, its choices and its checks; this module composes the sections.
+from jaxpipe.model import DTYPE_NAMES, ModelConfig, MoEConfig, validate as validate_model
 # The pipeline's choices and rules, read without JAX (its plans are plain Python).
-from jaxpipe.pipeline import (LAYOUTS, PIPELINED, SCHEDULE_NAMES, STASH_MODES, Layout,
-                              ScheduleName, StashMode, experts_split, min_microbatches)
+from jaxpipe.pipeline import (LAYOUTS, PIPELINED, SCHEDULE_NAMES, Layout, ScheduleName, StashMode,
+                              experts_split, min_microbatches, vocab_parallel as split_vocab)
 
 __all__ = [
     "RunConfig", "DataConfig", "MoEConfig", "ModelConfig", "PipelineConfig",
@@ -38,7 +33,7 @@ __all__ = [
     "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict", "experts_split",
     "OPTIMIZERS", "LR_SCHEDULES", "NAN_POLICIES", "ADAN_FORMS", "NS_PRESETS", "apply_overrides",
     "validate", "profile_window", "kill_point", "KILL_MOMENTS",
-    "field_notes", "describe", "MESH_LAYOUTS", "device_ids", "vocab_parallel", "HEAD_CHOICES",
+    "MESH_LAYOUTS", "device_ids", "vocab_parallel", "HEAD_CHOICES",
 ]
 
 # The config's own choices; the pipeline's and the model's are theirs, imported above.
@@ -129,15 +124,8 @@ class PipelineConfig:
   # (whole on every stage; the first looks up, the last computes the head,
   # nothing exchanged per tick; the last stage does the head's work on top of
   # its blocks), or `auto`: last_stage when the head costs at most
-  # HEAD_ON_LAST_STAGE (5%) of a stage's block work, else vocab_parallel.
+  # jaxpipe.pipeline.HEAD_ON_LAST_STAGE (5%) of a stage's block work, else vocab_parallel.
   head: Head = "auto"
-
-
-# `pipeline.head=auto` keeps the output layer on the last stage while it
-# adds at most this share to that stage's work per token: below it the
-# imbalance costs less than the vocabulary split's collectives
-# (docs/benchmark.md).
-HEAD_ON_LAST_STAGE = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,61 +241,6 @@ class Config:
   dist: DistConfig = dataclasses.field(default_factory=DistConfig)
 
 
-def field_notes(cls: type) -> dict[str, str]:
-  """Each field's documentation: the comment beside it, or the comment lines just above it.
-
-  Read from the class's source, where the fields are documented; empty when
-  the source is not available (an installed package without .py files).
-  """
-  try:
-    source = textwrap.dedent(inspect.getsource(cls))
-    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-  except (OSError, TypeError, tokenize.TokenError):
-    return {}
-  comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens
-              if t.type == tokenize.COMMENT}
-  lines = source.splitlines()
-  names = {f.name for f in dataclasses.fields(cls)}
-  notes = {}
-  for number, line in enumerate(lines, 1):
-    name = line.strip().split(":", 1)[0]
-    if name not in names or ":" not in line:
-      continue
-    above, at = [], number - 1
-    while at in comments and lines[at - 1].lstrip().startswith("#"):
-      above.insert(0, comments[at])
-      at -= 1
-    notes[name] = comments.get(number) or " ".join(above)
-  return notes
-
-
-def describe(cls: type | None = None, prefix: str = "") -> list[str]:
-  """Every config key with its default and its documentation, one line each, by section.
-
-  Generated from the dataclasses, so it lists exactly the keys `load` accepts
-  (`train.py --help` prints it).
-  """
-  cls = Config if cls is None else cls
-  out, sections = [], []
-  notes, hints = field_notes(cls), typing.get_type_hints(cls)
-  for f in dataclasses.fields(cls):
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    if dataclasses.is_dataclass(default):
-      sections.append((type(default), f"{prefix}{f.name}"))
-      continue
-    text = json.dumps(default)
-    choices = _choices(hints.get(f.name))
-    if choices:
-      text += f" (one of {' | '.join(choices)})"
-    note = f"  # {notes[f.name]}" if notes.get(f.name) else ""
-    out.append(f"  {f.name}: {text}{note}")
-  if out:
-    out.insert(0, f"{prefix[:-1]}:")
-  for sub, name in sections:
-    out += describe(sub, name + ".")
-  return out
-
-
 def _choices(typ: Any) -> tuple[str, ...]:
   """The values of a `Literal` annotation; () for any other type."""
   return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
@@ -318,7 +251,12 @@ def _describe(value: Any) -> str:
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
-  """Checks `value` against the annotated type; ints are accepted as floats."""
+  """Checks `value` against the annotated type; ints are accepted as floats.
+
+  A `Literal` field takes one of its choices, and only that: a bad value is
+  refused here, naming the key, the value and the choices, so `validate`
+  need not check membership again.
+  """
   if dataclasses.is_dataclass(typ):
     if not isinstance(value, Mapping):
       raise ConfigError(f"{key}: expected a section (mapping), got {_describe(value)}")
@@ -341,8 +279,14 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
     raise ConfigError(f"{key}: expected a number, got {_describe(value)}")
-  if typ is str or _choices(typ):
-    # Which value of a choice is `validate`'s to say, naming the choices.
+  choices = _choices(typ)
+  if choices:
+    if isinstance(value, str) and value in choices:
+      return value
+    near = _closest(value, choices) if isinstance(value, str) else None
+    raise ConfigError(f"{key} must be {_or(choices)}, got {value!r}"
+                      + (f" (did you mean '{near}'?)" if near else ""))
+  if typ is str:
     if isinstance(value, str):
       return value
     raise ConfigError(f"{key}: expected a string, got {_describe(value)} (quote it in YAML: "
@@ -549,25 +493,19 @@ def _check(cond: bool, message: str) -> None:
 def vocab_parallel(model: ModelConfig, pipeline: PipelineConfig) -> bool:
   """Whether a run splits its embedding and head over the stages (`pipeline.head`).
 
-  `auto` compares the head's matmul parameters (dim x vocab) with a stage's
-  blocks' (attention and MLP, L/S blocks): at most HEAD_ON_LAST_STAGE of
-  them puts the head on the last stage. `model.vocab_size` must be resolved.
+  The pipeline's rule (`jaxpipe.pipeline.vocab_parallel`) on this model's
+  sizes; `model.vocab_size` must be resolved.
   """
-  if pipeline.head != "auto":
-    return pipeline.head == "vocab_parallel"
-  from jaxpipe.model import ffn_dim  # pylint: disable=g-import-not-at-top
-  head_dim = model.dim // model.n_heads
-  attn = model.dim * head_dim * (2 * model.n_heads + 2 * model.n_kv_heads)
-  hidden = model.moe.ffn_dim or ffn_dim(model) if model.moe.num_experts else ffn_dim(model)
-  mlp = 3 * model.dim * hidden * (model.moe.top_k if model.moe.num_experts else 1)
-  stage = model.n_layers / max(pipeline.stages, 1) * (attn + mlp)
-  return model.dim * model.vocab_size > HEAD_ON_LAST_STAGE * stage
+  from jaxpipe.model import block_matmul_params  # pylint: disable=g-import-not-at-top
+  return split_vocab(pipeline.head, head_params=model.dim * model.vocab_size,
+                     block_params=block_matmul_params(model), num_layers=model.n_layers,
+                     num_stages=pipeline.stages)
 
 
 def validate(cfg: Config) -> None:
   """Checks values and the arithmetic between sections; raises ConfigError."""
   _validate_run_and_data(cfg)
-  _validate_model(cfg.model)
+  validate_model(cfg.model)
   _validate_pipeline(cfg)
   _validate_optimizer(cfg.optimizer)
   _validate_checkpoint_eval_dist(cfg)
@@ -578,13 +516,6 @@ def _validate_run_and_data(cfg: Config) -> None:
   r, d = cfg.run, cfg.data
   _check(r.steps >= 1, f"run.steps must be >= 1, got {r.steps}")
   _check(r.log_every >= 1, f"run.log_every must be >= 1, got {r.log_every}")
-  _check(r.nan_policy in NAN_POLICIES,
-         f"run.nan_policy must be {' or '.join(NAN_POLICIES)}, got '{r.nan_policy}'")
-  _check(r.cpu_malloc_arenas in CPU_ARENAS,
-         f"run.cpu_malloc_arenas must be one of {', '.join(CPU_ARENAS)}, "
-         f"got '{r.cpu_malloc_arenas}'")
-  _check(r.cpu_split_ops in CPU_SPLIT_OPS,
-         f"run.cpu_split_ops must be one of {', '.join(CPU_SPLIT_OPS)}, got '{r.cpu_split_ops}'")
   _check(bool(r.dir), "run.dir must not be empty")
   _check(d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}")
   _check(d.seq_len >= 2, f"data.seq_len must be >= 2, got {d.seq_len}")
@@ -594,42 +525,10 @@ def _validate_run_and_data(cfg: Config) -> None:
   device_ids(cfg.dist.local_device_ids)
 
 
-def _validate_model(m: ModelConfig) -> None:
-  """model.*: sizes, head arithmetic, choices, the MoE part."""
-  for key in ("dim", "n_layers", "n_heads", "n_kv_heads"):
-    _check(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
-  _check(m.dim % m.n_heads == 0,
-         f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-  _check((m.dim // m.n_heads) % 2 == 0,
-         f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
-  _check(m.n_heads % m.n_kv_heads == 0,
-         f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-  _check(m.remat in REMAT_POLICIES,
-         f"model.remat must be {_or(REMAT_POLICIES)}; got '{m.remat}'")
-  _check(m.attention in ATTENTION_SETTINGS,
-         f"model.attention must be {_or(ATTENTION_SETTINGS)}; got '{m.attention}'")
-  _check(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0 = no chunking), got {m.loss_chunk}")
-  for key in ("param_dtype", "compute_dtype"):
-    _check(getattr(m, key) in DTYPE_NAMES,
-           f"model.{key} must be {_or(DTYPE_NAMES)}, got '{getattr(m, key)}'")
-  if m.moe.num_experts:
-    _check(1 <= m.moe.top_k <= m.moe.num_experts,
-           f"model.moe.top_k={m.moe.top_k} must be between 1 and model.moe.num_experts={m.moe.num_experts}")
-    _check(m.moe.capacity_factor > 0, "model.moe.capacity_factor must be > 0")
-
-
 def _validate_pipeline(cfg: Config) -> None:
   """pipeline.* and mesh.*, and how they divide the layers, the batch and the experts."""
   d, m, p, o = cfg.data, cfg.model, cfg.pipeline, cfg.optimizer
-  _check(cfg.mesh.layout in MESH_LAYOUTS,
-         f"mesh.layout must be {' or '.join(MESH_LAYOUTS)}, got '{cfg.mesh.layout}'")
-  _check(p.schedule in SCHEDULES,
-         f"pipeline.schedule must be one of {', '.join(SCHEDULES)}; got '{p.schedule}'")
   _check(p.stages >= 1, f"pipeline.stages must be >= 1, got {p.stages}")
-  _check(p.stash in STASH_MODES,
-         f"pipeline.stash must be {' or '.join(STASH_MODES)}, got '{p.stash}'")
-  _check(p.head in HEAD_CHOICES,
-         f"pipeline.head must be one of {', '.join(HEAD_CHOICES)}, got '{p.head}'")
   _check(p.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {p.microbatches}")
   _check(cfg.mesh.data >= 1, f"mesh.data must be >= 1, got {cfg.mesh.data}")
   if p.schedule == "none":
@@ -684,16 +583,11 @@ def _validate_pipeline(cfg: Config) -> None:
 
 def _validate_optimizer(o: OptimizerConfig) -> None:
   """optimizer.*: choices, rates, decays and the correction knobs."""
-  _check(o.name in OPTIMIZERS, f"optimizer.name must be one of {', '.join(OPTIMIZERS)}; got '{o.name}'")
-  _check(o.schedule in LR_SCHEDULES,
-         f"optimizer.schedule must be one of {', '.join(LR_SCHEDULES)}; got '{o.schedule}'")
   _check(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
   _check(o.delay >= 0, f"optimizer.delay must be >= 0, got {o.delay}")
   _check(o.error_feedback >= 0, f"optimizer.error_feedback must be >= 0, got {o.error_feedback}")
   _check(o.weight_prediction >= 0,
          f"optimizer.weight_prediction must be >= 0, got {o.weight_prediction}")
-  _check(o.adan_form in ADAN_FORMS,
-         f"optimizer.adan_form must be {' or '.join(ADAN_FORMS)}; got '{o.adan_form}'")
   for key in ("lion_b1", "lion_b2", "adan_b1", "adan_b2", "adan_b3"):
     _check(0.0 <= getattr(o, key) < 1.0, f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
   _check(o.ef_dtype in ("", *DTYPE_NAMES),
@@ -704,8 +598,6 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
   _check(o.clip_norm >= 0, f"optimizer.clip_norm must be >= 0, got {o.clip_norm}")
   # A negative decoupled decay grows the weights every step instead of shrinking them.
   _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
-  _check(o.ns_coeffs in NS_PRESETS,
-         f"optimizer.ns_coeffs must be {' or '.join(NS_PRESETS)}; got '{o.ns_coeffs}'")
   for key in ("normuon_b2", "mars_b1", "mars_b2"):
     _check(0.0 <= getattr(o, key) < 1.0, f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
   _check(o.mars_gamma >= 0, f"optimizer.mars_gamma must be >= 0, got {o.mars_gamma}")

@@ -42,8 +42,7 @@ import yaml
 from jaxpipe import _loop
 from jaxpipe import config as config_lib
 from jaxpipe import optim
-from jaxpipe.checkpoint import (LAYOUT_KEYS, RESUMABLE_KEYS, Checkpointer, check_compatible,
-                                config_differences, path_key)
+from jaxpipe.checkpoint import Checkpointer, flatten_dict, path_key
 from jaxpipe.config import Config
 from jaxpipe.errors import CheckpointError, ConfigError, InputError
 
@@ -62,7 +61,66 @@ class Run(Protocol):
 
 __all__ = ["Start", "Decision", "Layout", "begin", "decide", "layout", "saved_layout",
            "check_request", "fresh_weights", "checkpoint_dir", "checkpoint_meta",
-           "schedule_change"]
+           "schedule_change", "RESUMABLE_KEYS", "LAYOUT_KEYS", "config_differences",
+           "check_compatible"]
+
+
+# Config keys a resumed run may change; everything else must match the
+# checkpoint, since it changes what the saved state means.
+RESUMABLE_KEYS = frozenset({
+    "run.dir", "run.steps", "run.log_every", "run.progress", "run.nan_policy",
+    "run.debug_nan_step", "run.peak_tflops", "run.profile",
+    "data.cache_dir", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
+    "eval.every", "eval.batches", "dist.coordinator", "dist.num_processes", "dist.process_id",
+    "run.debug_kill",
+    # How the same function is computed, not what the state holds: rounding apart.
+    "model.loss_chunk", "model.attention", "mesh.shard_optimizer",
+    # Where a fresh run's weights came from; a resumed run has its own.
+    "model.init_from",
+    # How and where the same program runs: XLA's flags, its compilation cache,
+    # which devices a process takes and how the mesh is laid over the nodes,
+    # the host's malloc arenas, whether XLA splits an operation over threads
+    # and gloo's I/O thread on CPUs.
+    "run.deterministic", "run.compile_cache", "dist.local_device_ids", "mesh.layout",
+    "run.cpu_malloc_arenas", "run.cpu_split_ops", "dist.idle_io_thread",
+    # When a run of several processes gives up on a lost one.
+    "dist.heartbeat_timeout_s", "dist.init_timeout_s", "dist.shutdown_timeout_s",
+    "dist.step_timeout_s", "dist.save_timeout_s",
+})
+
+# Keys that change the mesh: a resumed run may change them where its schedule
+# can carry its state over (`Schedule.check_relayout`); the global batch stays.
+LAYOUT_KEYS = frozenset({"mesh.data", "pipeline.stages", "mesh.expert_parallel",
+                         "pipeline.head"})
+
+
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
+                       allowed=RESUMABLE_KEYS) -> list[str]:
+  """Lists `key: saved -> current` for every differing key not in `allowed`.
+
+  A key the saved config lacks (written before the key existed) counts as
+  its default value.
+  """
+  defaults = flatten_dict(config_lib.to_dict(config_lib.Config()))
+  a, b = {**defaults, **flatten_dict(saved)}, flatten_dict(current)
+  diffs = []
+  for key in sorted(set(a) | set(b)):
+    if key in allowed:
+      continue
+    if a.get(key, "<absent>") != b.get(key, "<absent>"):
+      diffs.append(f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}")
+  return diffs
+
+
+def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], where: str,
+                     allowed=RESUMABLE_KEYS | LAYOUT_KEYS) -> None:
+  """Raises CheckpointError naming the differences that forbid resuming."""
+  diffs = config_differences(saved, current, allowed)
+  if diffs:
+    shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+    raise CheckpointError(
+        f"the checkpoint in {where} was written with a different config ({shown}); "
+        "resume with the saved config, or choose a new run.dir")
 
 
 class Layout(NamedTuple):

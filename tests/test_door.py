@@ -116,3 +116,24 @@ def test_a_key_like_no_other_gets_no_guess(key):
   assert message.startswith(f"unknown config key '{key}'") and "did you mean" not in message, \
       message
   assert _error(tree={"zzzz": 1}).startswith("unknown config key 'zzzz'; valid keys in ")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("pipeline.schedule=Gpipe", "pipeline.schedule must be none, gpipe, 1f1b, 2bw, pipedream, "
+     "interleaved or zb1, got 'Gpipe' (did you mean 'gpipe'?)"),
+    ("optimizer.name=adamm", "optimizer.name must be adamw, muon, lion, adan, sgd, mars, "
+     "normuon or soap, got 'adamm' (did you mean 'adamw'?)"),
+    ("pipeline.head=middle", "pipeline.head must be auto, vocab_parallel or last_stage, "
+     "got 'middle'"),
+])
+def test_a_value_outside_a_choice_is_answered_with_the_choices(override, message):
+  # The key's type (a Literal) lists the choices; reading the value checks them, once.
+  with pytest.raises(ConfigError) as e:
+    config.load(None, [override])
+  assert str(e.value) == message
+
+
+def test_a_choice_given_as_another_type_names_the_choices_too():
+  with pytest.raises(ConfigError) as e:
+    config.from_dict({"model": {"remat": True}})
+  assert str(e.value) == "model.remat must be none, full or dots, got True"

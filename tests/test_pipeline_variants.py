@@ -163,6 +163,11 @@ def test_head_placement_auto_follows_the_heads_share_of_a_stage():
   for head, want in (("vocab_parallel", True), ("last_stage", False)):
     assert config.vocab_parallel(big if not want else small,
                                  dataclasses.replace(pipe, head=head)) is want
+  # The pipeline's rule alone, on those numbers.
+  from jaxpipe import pipeline  # pylint: disable=g-import-not-at-top
+  for vocab, want in ((576, False), (577, True)):
+    assert pipeline.vocab_parallel("auto", head_params=256 * vocab, block_params=737_280,
+                                   num_layers=8, num_stages=2) is want
 
 
 # --- bfloat16 ----------------------------------------------------------------

@@ -376,13 +376,12 @@ def test_config_yaml_records_the_tokenizer_of_the_data(tmp_path, cache):
 
 
 def test_a_key_newer_than_the_checkpoint_counts_as_its_default():
-  from jaxpipe import checkpoint  # pylint: disable=g-import-not-at-top
   now = config.to_dict(config.load(_runs.TINY, []))
   older = {k: dict(v) if isinstance(v, dict) else v for k, v in now.items()}
   del older["model"]["loss_chunk"]   # written before the key existed
-  assert checkpoint.config_differences(older, now) == []
+  assert resume.config_differences(older, now) == []
   older["model"]["dim"] = 16
-  assert checkpoint.config_differences(older, now) == ["model.dim: 16 -> 32"]
+  assert resume.config_differences(older, now) == ["model.dim: 16 -> 32"]
 
 
 def test_run_steps_below_the_checkpoint_is_refused(tmp_path, cache):

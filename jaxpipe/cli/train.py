@@ -36,13 +36,14 @@ class _Parser(argparse.ArgumentParser):
 def main(argv=None) -> int:
   """Parses the command line, trains (or resumes) and returns the exit status."""
   from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxpipe.cli import _keys  # pylint: disable=g-import-not-at-top
   # The keys are listed from the config's dataclasses, so --help never drifts from them.
   title, _, resuming = __doc__.strip().split("\n\n")[:3]
   parser = _Parser(description=f"{title}\n\n{resuming}",
                    formatter_class=argparse.RawDescriptionHelpFormatter,
                    epilog="config sections and keys, with their defaults (a YAML file sets\n"
                    "them; section.key=value overrides them):\n\n"
-                   + "\n".join(config_lib.describe()))
+                   + "\n".join(_keys.describe()))
   parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
   parser.add_argument("--resume", action="store_true",
                       help="refuse to start unless run.dir holds a checkpoint to resume from "

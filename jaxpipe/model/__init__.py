@@ -13,12 +13,12 @@ _LAZY = {
     "Block": "_llama", "KVCache": "_llama", "Model": "_llama", "make_model": "_llama",
     "cross_entropy": "_llama", "output_logits": "_llama",
     "dtype_of": "_llama", "ffn_dim": "_llama", "flops_per_token": "_llama",
-    "token_flops": "_llama", "TokenFlops": "_llama",
+    "token_flops": "_llama", "TokenFlops": "_llama", "block_matmul_params": "_llama",
     "num_params": "_llama", "rotary": "_llama",
     "MoE": "_moe", "capacity": "_moe",
     "ModelConfig": "_config", "MoEConfig": "_config", "DtypeName": "_config",
     "RematPolicy": "_config", "AttentionSetting": "_config", "DTYPE_NAMES": "_config",
-    "REMAT_POLICIES": "_config", "ATTENTION_SETTINGS": "_config",
+    "REMAT_POLICIES": "_config", "ATTENTION_SETTINGS": "_config", "validate": "_config",
 }
 
 __all__ = sorted(_LAZY)

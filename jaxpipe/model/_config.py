@@ -1,7 +1,8 @@
 """The model's config section: `ModelConfig` (`model:` in a run's YAML) and its MoE part.
 
 Plain dataclasses, no JAX: `jaxpipe.config` composes them with the other
-sections, and the model builds from them.
+sections (its `validate` calls this module's on the `model` section), and the
+model builds from them.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import dataclasses
 import typing
 from typing import Literal
 
+from jaxpipe.errors import ConfigError
+
 __all__ = ["ModelConfig", "MoEConfig", "DtypeName", "RematPolicy", "AttentionSetting",
-           "DTYPE_NAMES", "REMAT_POLICIES", "ATTENTION_SETTINGS"]
+           "DTYPE_NAMES", "REMAT_POLICIES", "ATTENTION_SETTINGS", "validate"]
 
 # The floating dtypes weights and activations may take, by JAX's names.
 DtypeName = Literal["float32", "bfloat16", "float16"]
@@ -64,3 +67,29 @@ class ModelConfig:
   # checkpoint and never this directory again.
   init_from: str = ""
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+
+
+def _check(cond: bool, message: str) -> None:
+  if not cond:
+    raise ConfigError(message)
+
+
+def validate(m: ModelConfig) -> None:
+  """Checks model.*: sizes, the head arithmetic, the MoE part; raises ConfigError.
+
+  Each choice (remat, attention, the dtypes) is a `Literal`, checked where
+  the config is read.
+  """
+  for key in ("dim", "n_layers", "n_heads", "n_kv_heads"):
+    _check(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
+  _check(m.dim % m.n_heads == 0,
+         f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+  _check((m.dim // m.n_heads) % 2 == 0,
+         f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+  _check(m.n_heads % m.n_kv_heads == 0,
+         f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+  _check(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0 = no chunking), got {m.loss_chunk}")
+  if m.moe.num_experts:
+    _check(1 <= m.moe.top_k <= m.moe.num_experts,
+           f"model.moe.top_k={m.moe.top_k} must be between 1 and model.moe.num_experts={m.moe.num_experts}")
+    _check(m.moe.capacity_factor > 0, "model.moe.capacity_factor must be > 0")

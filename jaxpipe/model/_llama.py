@@ -36,7 +36,8 @@ from jaxpipe.xent import chunked_cross_entropy, cross_entropy
 Params = Any
 
 __all__ = ["Model", "Block", "KVCache", "make_model", "ffn_dim", "dtype_of", "num_params",
-           "output_logits", "flops_per_token", "token_flops", "TokenFlops", "cross_entropy"]
+           "output_logits", "flops_per_token", "token_flops", "TokenFlops", "cross_entropy",
+           "block_matmul_params"]
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -373,6 +374,19 @@ class TokenFlops(NamedTuple):
   attention: float
   attention_full: float
   head: float
+
+
+def block_matmul_params(cfg: ModelConfig) -> int:
+  """The matmul parameters one token passes through in one block.
+
+  Attention's projections (q, k, v, o) and the MLP's three matrices, times
+  top_k for an MoE model (its router left out). `jaxpipe.config.vocab_parallel`
+  weighs a stage's blocks by it against the output layer's dim x vocab.
+  """
+  head_dim = cfg.dim // cfg.n_heads
+  attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+  hidden = cfg.moe.ffn_dim or ffn_dim(cfg) if cfg.moe.num_experts else ffn_dim(cfg)
+  return attn + 3 * cfg.dim * hidden * (cfg.moe.top_k if cfg.moe.num_experts else 1)
 
 
 def token_flops(cfg: ModelConfig, seq_len: int) -> TokenFlops:

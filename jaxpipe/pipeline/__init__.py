@@ -9,8 +9,9 @@ start JAX; the engine and the schedules load on first use.
 
 import importlib
 
-from jaxpipe.pipeline._names import (LAYOUTS, PIPELINED, SCHEDULE_NAMES, STASH_MODES, Layout,
-                                     ScheduleName, StashMode, experts_split)
+from jaxpipe.pipeline._names import (HEAD_ON_LAST_STAGE, LAYOUTS, PIPELINED, SCHEDULE_NAMES,
+                                     STASH_MODES, Layout, ScheduleName, StashMode, experts_split,
+                                     vocab_parallel)
 from jaxpipe.pipeline._options import ScheduleOptions
 from jaxpipe.pipeline._timetable import (Cell, Facts, StepPlan, TickKind, Timetable,
                                          check_virtual_stages, facts, layer_order,
@@ -31,10 +32,11 @@ _LAZY = {
     "padded_vocab": "_vocab", "pad_vocab": "_vocab", "unpad_vocab": "_vocab",
 }
 
-__all__ = ["Cell", "Facts", "LAYOUTS", "Layout", "PIPELINED", "SCHEDULE_NAMES", "STASH_MODES",
+__all__ = ["Cell", "Facts", "HEAD_ON_LAST_STAGE", "LAYOUTS", "Layout", "PIPELINED",
+           "SCHEDULE_NAMES", "STASH_MODES",
            "ScheduleName", "ScheduleOptions", "StashMode", "StepPlan", "experts_split",
            "TickKind", "Timetable", "check_virtual_stages", "facts", "layer_order",
-           "min_microbatches", "stash_slots", "step_plan", "timetable", *_LAZY]
+           "min_microbatches", "stash_slots", "step_plan", "timetable", "vocab_parallel", *_LAZY]
 
 
 def __getattr__(name):
