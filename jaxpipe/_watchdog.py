@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shlex
 import sys
 import threading

@@ -69,6 +69,12 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except _writes.WriteFailed as e:
+    # A save's collectives fail at once when a peer dies (gloo's connection
+    # reset), before the heartbeats have told the peer lost: in a run of
+    # several processes the loss, if one comes, is what to report (69).
+    if guard.await_loss():
+      while True:
+        time.sleep(60)
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     # Without the interpreter's shutdown: orbax's and TensorBoard's writers
