@@ -120,7 +120,8 @@ class Metrics:
       # queueing more events would block this thread for ever.
       died = self.writes.thread_error() if self.writes is not None else None
       if died is not None:
-        raise WriteFailed("the TensorBoard events", os.path.dirname(self.path), died)
+        raise WriteFailed("the TensorBoard events", os.path.join(os.path.dirname(self.path), "tb"),
+                          died)
       for key, value in record.items():
         if key != "step" and isinstance(value, (int, float)):
           group = "val" if key.startswith("val") else "train"

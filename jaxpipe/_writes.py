@@ -43,6 +43,31 @@ def reason(error: BaseException) -> str:
   return first[:200]
 
 
+_IO_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+              errno.EIO, errno.ENOENT}
+
+
+def io_error(error: BaseException) -> bool:
+  """Whether `error` is a failed file operation (an OSError, or tensorstore's text of one)."""
+  return isinstance(error, OSError) or bool(_OS_CODE.search(str(error)))
+
+
+def from_oserror(error: BaseException, run_dir: str) -> Optional["WriteFailed"]:
+  """A WriteFailed for an OSError on a file inside `run_dir` (disk, quota, permission), or None.
+
+  For the run folder's writes outside the loop's own checks: config.yaml,
+  metrics.jsonl's rewrite on a resume, the device memory record.
+  """
+  name = getattr(error, "filename", None)
+  if not isinstance(error, OSError) or error.errno not in _IO_ERRNOS or not name:
+    return None
+  root = os.path.abspath(run_dir)
+  path = os.path.abspath(os.fsdecode(name))
+  if os.path.commonpath([root, path]) != root:
+    return None
+  return WriteFailed(os.path.relpath(path, root), path, error)
+
+
 def _advice(error: Optional[BaseException]) -> str:
   code = getattr(error, "errno", None)
   if code is None and error is not None:
@@ -95,7 +120,7 @@ class _OrbaxErrors(logging.Filter):
 
 
 class Watch:
-  """While entered: a thread that dies of an OSError, or orbax's logged save failures, are kept.
+  """While entered: TensorBoard's writer thread dying of an OSError, or orbax's logged save failures, are kept.
 
   `thread_error()` and `orbax_error()` return the first of each, for the
   loop to raise as WriteFailed; other threads' errors go to the hook that
@@ -108,8 +133,11 @@ class Watch:
     self._previous = self._previous_unraisable = None
 
   def _hook(self, args) -> None:
-    if isinstance(args.exc_value, OSError):
-      self._errors.append((args.thread.name if args.thread else "a thread", args.exc_value))
+    # Only TensorBoard's writer thread writes into the run folder; another
+    # thread's error is not a failed write and goes on as it would have.
+    writer = type(args.thread).__module__.startswith("tensorboardX") if args.thread else False
+    if writer and isinstance(args.exc_value, OSError):
+      self._errors.append((args.thread.name, args.exc_value))
       return
     self._previous(args)
 
@@ -132,7 +160,7 @@ class Watch:
     logging.getLogger("absl").removeFilter(self._orbax)
 
   def thread_error(self) -> Optional[BaseException]:
-    """The first OSError a thread died of, or None."""
+    """The first OSError TensorBoard's writer thread died of, or None."""
     return self._errors[0][1] if self._errors else None
 
   def orbax_error(self) -> Optional[str]:

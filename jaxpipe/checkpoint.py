@@ -37,6 +37,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxpipe import _writes
 from jaxpipe._writes import WriteFailed
 from jaxpipe.errors import CheckpointError
 
@@ -162,6 +163,8 @@ class Checkpointer:
       # orbax waits for the previous save first: its failure may be what this is.
       failed = self._pending if self._pending is not None and not self._complete(
           self._pending) else step
+      if failed == step and not _writes.io_error(e):
+        raise  # not the disk's doing: a bug, with its traceback
       raise self._failed(failed, e) from None
     self._pending = step
 
@@ -321,6 +324,8 @@ class Checkpointer:
     except Exception as e:  # orbax re-raises a background failure here, sometimes
       error = e
     self.check_saved(error)
+    if error is not None:  # every save is complete, so the failure was not a write's
+      raise error
 
   def close(self) -> None:
     """Waits for background saves and releases the manager (a second call does nothing).

@@ -69,7 +69,7 @@ def _describe(text: str) -> tuple[str, Optional[dict]]:
   try:
     info = json.loads(text)
     words = f"process {info['pid']} on host {info['host']}"
-  except (ValueError, KeyError, TypeError):
+  except (ValueError, KeyError, TypeError, AttributeError):
     return "another process", None
   if info.get("started"):
     words += f" (since {info['started']})"
@@ -80,6 +80,11 @@ def _busy(run_dir: str, lock_path: str, text: str, advice: str = "") -> ConfigEr
   words, _ = _describe(text)
   return ConfigError(f"run.dir={run_dir} is in use by {words}: a run writes its folder alone; "
                      f"wait for that run to end or give this one another run.dir{advice}")
+
+
+def _unreadable(run_dir: str, lock_path: str) -> ConfigError:
+  return ConfigError(f"run.dir={run_dir} is another user's: its lock file {lock_path} cannot be "
+                     "opened (permission denied); give this run another run.dir")
 
 
 def _alive_here(info: Optional[dict]) -> bool:
@@ -102,6 +107,8 @@ def holder(run_dir: str) -> Optional[str]:
     fd = os.open(lock_path, os.O_RDONLY)
   except FileNotFoundError:
     return None
+  except PermissionError:
+    raise _unreadable(run_dir, lock_path) from None
   try:
     text = os.read(fd, 4096).decode(errors="replace")
     try:
@@ -142,7 +149,10 @@ def hold(run_dir: str) -> RunLock:
   processes lock two different files of the same name.
   """
   lock_path = os.path.join(run_dir, LOCK_NAME)
-  fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+  try:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+  except PermissionError:
+    raise _unreadable(run_dir, lock_path) from None
   try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -269,7 +269,8 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None,
   `jaxpipe._watchdog.Guard` (from `jaxpipe.launch.start`), through which a
   step or save that hangs ends a run of several processes; a lone process's
   by default. Raises InputError subclasses for bad
-  input; KeyboardInterrupt(signal number) on a second SIGINT/SIGTERM (without
+  input; `jaxpipe._writes.WriteFailed` when a write into run.dir fails (with
+  the newest intact checkpoint); KeyboardInterrupt(signal number) on a second SIGINT/SIGTERM (without
   waiting for a save in progress); returns with summary["exit_code"] 0,
   EXIT_NONFINITE or EXIT_INTERRUPTED.
   """
@@ -296,6 +297,13 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None,
     try:
       start = resume.begin(run, ckpt, require_resume=require_resume, init_params=init_params)
       return _train(run, ckpt, start, guard or _watchdog.Guard())
+    except OSError as e:
+      failure = _writes.from_oserror(e, run.cfg.run.dir)
+      if failure is None:
+        raise
+      abandon = True
+      failure.newest, failure.checkpoint_dir = _newest(ckpt), ckpt.directory
+      raise failure from None
     except (KeyboardInterrupt, WriteFailed):
       # Stop now: a save in progress is left unfinished, and ignored later;
       # after a failed write, waiting for the other writers could block.
@@ -495,7 +503,7 @@ def format_summary(summary: dict[str, Any]) -> str:
            f"{cfg.optimizer.name}"]
   if "train_loss" in summary:
     epoch = summary.get("epoch")
-    # Steps counted from 1, as the progress line and the stop messages count them.
+    # Steps counted from 1, as the progress line counts them.
     parts.append(f"train loss {summary['train_loss']:.4f} (step {summary['train_loss_step'] + 1}"
                  + (f", epoch {epoch:.2f})" if epoch is not None else ")"))
   if summary.get("val_loss") is not None:

@@ -204,11 +204,14 @@ def test_a_failed_metrics_write_is_a_write_failure(tmp_path):
 
 
 def test_a_writer_thread_that_dies_is_kept_not_printed(tmp_path, capsys):
-  def dies():
-    raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+  class Writer(threading.Thread):  # where TensorBoard's writer thread comes from
+    __module__ = "tensorboardX.event_file_writer"
+
+    def run(self):
+      raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
   with _writes.Watch() as watch:
     metrics = _loop.Metrics(str(tmp_path), 0, 0, True, watch)
-    thread = threading.Thread(target=dies)
+    thread = Writer()
     thread.start()
     thread.join()
     assert isinstance(watch.thread_error(), OSError)
@@ -228,3 +231,27 @@ def test_a_write_failure_reads_its_reason_from_any_error():
                            "[os_error_code='28']")
   assert _writes.reason(tensorstore) == os.strerror(28)
   assert _writes.reason(RuntimeError("first\nsecond")) == "first"
+
+
+def test_only_tensorboards_thread_is_taken_for_a_failed_write(monkeypatch):
+  def dies():
+    raise OSError(errno.ECONNRESET, os.strerror(errno.ECONNRESET))
+  seen = []
+  monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_type))
+  with _writes.Watch() as watch:
+    thread = threading.Thread(target=dies)  # not a writer into the run folder
+    thread.start()
+    thread.join()
+    assert watch.thread_error() is None
+  assert seen == [ConnectionResetError]  # handed to the hook that was there before
+
+
+def test_an_oserror_on_a_file_of_the_run_folder_is_a_write_failure(tmp_path):
+  inside = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "config.yaml"))
+  failed = _writes.from_oserror(inside, str(tmp_path))
+  assert failed is not None and failed.what == "config.yaml"
+  assert "(No space left on device)" in str(failed)
+  outside = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/elsewhere/file")
+  assert _writes.from_oserror(outside, str(tmp_path)) is None
+  other = OSError(errno.ECONNRESET, os.strerror(errno.ECONNRESET), str(tmp_path / "x"))
+  assert _writes.from_oserror(other, str(tmp_path)) is None
