@@ -28,6 +28,16 @@ EXIT_IOERR = 74
 _OS_CODE = re.compile(r"os_error_code='?(\d+)")
 
 
+def _errno(error: Optional[BaseException]) -> Optional[int]:
+  """An error's errno: an OSError's, or the one in tensorstore's text of one."""
+  if error is None:
+    return None
+  if isinstance(error, OSError) and error.errno is not None:
+    return error.errno
+  found = _OS_CODE.search(str(error))
+  return int(found.group(1)) if found else None
+
+
 def reason(error: BaseException) -> str:
   """Why a write failed, in a few words ('No space left on device'), from any error type.
 
@@ -36,9 +46,9 @@ def reason(error: BaseException) -> str:
   """
   if isinstance(error, OSError) and error.strerror:
     return error.strerror
-  found = _OS_CODE.search(str(error))
-  if found:
-    return os.strerror(int(found.group(1)))
+  code = _errno(error)
+  if code is not None:
+    return os.strerror(code)
   first = (str(error).strip().splitlines() or [type(error).__name__])[0]
   return first[:200]
 
@@ -49,7 +59,7 @@ _IO_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES
 
 def io_error(error: BaseException) -> bool:
   """Whether `error` is a failed file operation (an OSError, or tensorstore's text of one)."""
-  return isinstance(error, OSError) or bool(_OS_CODE.search(str(error)))
+  return isinstance(error, OSError) or _errno(error) is not None
 
 
 def from_oserror(error: BaseException, run_dir: str) -> Optional["WriteFailed"]:
@@ -69,10 +79,7 @@ def from_oserror(error: BaseException, run_dir: str) -> Optional["WriteFailed"]:
 
 
 def _advice(error: Optional[BaseException]) -> str:
-  code = getattr(error, "errno", None)
-  if code is None and error is not None:
-    found = _OS_CODE.search(str(error))
-    code = int(found.group(1)) if found else None
+  code = _errno(error)
   if code in (errno.ENOSPC, errno.EDQUOT):
     return "free space there (or raise the quota)"
   if code == errno.EFBIG:
@@ -128,7 +135,7 @@ class Watch:
   """
 
   def __init__(self):
-    self._errors: list[tuple[str, BaseException]] = []
+    self._errors: list[BaseException] = []
     self._orbax = _OrbaxErrors()
     self._previous = self._previous_unraisable = None
 
@@ -137,7 +144,7 @@ class Watch:
     # thread's error is not a failed write and goes on as it would have.
     writer = type(args.thread).__module__.startswith("tensorboardX") if args.thread else False
     if writer and isinstance(args.exc_value, OSError):
-      self._errors.append((args.thread.name, args.exc_value))
+      self._errors.append(args.exc_value)
       return
     self._previous(args)
 
@@ -161,7 +168,7 @@ class Watch:
 
   def thread_error(self) -> Optional[BaseException]:
     """The first OSError TensorBoard's writer thread died of, or None."""
-    return self._errors[0][1] if self._errors else None
+    return self._errors[0] if self._errors else None
 
   def orbax_error(self) -> Optional[str]:
     """The first save failure orbax logged, as text, or None."""

@@ -32,7 +32,7 @@ from typing import Optional
 
 from jaxpipe.errors import ConfigError
 
-__all__ = ["LOCK_NAME", "RunLock", "check_writable", "hold", "holder"]
+__all__ = ["LOCK_NAME", "RunLock", "check_free", "check_writable", "hold", "holder"]
 
 LOCK_NAME = ".jaxpipe.lock"
 
@@ -76,8 +76,7 @@ def _describe(text: str) -> tuple[str, Optional[dict]]:
   return words, info
 
 
-def _busy(run_dir: str, lock_path: str, text: str, advice: str = "") -> ConfigError:
-  words, _ = _describe(text)
+def _busy(run_dir: str, words: str, advice: str = "") -> ConfigError:
   return ConfigError(f"run.dir={run_dir} is in use by {words}: a run writes its folder alone; "
                      f"wait for that run to end or give this one another run.dir{advice}")
 
@@ -118,10 +117,18 @@ def holder(run_dir: str) -> Optional[str]:
     except OSError as e:
       if e.errno not in _NO_FLOCK:
         raise
-      return _describe(text)[0] if text.strip() and _alive_here(_describe(text)[1]) else None
+      words, info = _describe(text)
+      return words if _alive_here(info) else None
     return None
   finally:
     os.close(fd)  # closing drops the shared lock, if one was taken
+
+
+def check_free(run_dir: str) -> None:
+  """Raises ConfigError naming the holder if another process holds `run_dir`; creates nothing."""
+  words = holder(run_dir)
+  if words:
+    raise _busy(run_dir, words)
 
 
 class RunLock:
@@ -157,13 +164,13 @@ def hold(run_dir: str) -> RunLock:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      raise _busy(run_dir, lock_path, os.pread(fd, 4096, 0).decode(errors="replace")) from None
+      raise _busy(run_dir, _describe(os.pread(fd, 4096, 0).decode(errors="replace"))[0]) from None
     except OSError as e:
       if e.errno not in _NO_FLOCK:
         raise
-      text = os.pread(fd, 4096, 0).decode(errors="replace")
-      if text.strip() and _alive_here(_describe(text)[1]):
-        raise _busy(run_dir, lock_path, text,
+      words, info = _describe(os.pread(fd, 4096, 0).decode(errors="replace"))
+      if _alive_here(info):
+        raise _busy(run_dir, words,
                     f" (this file system has no file locks; if that run has ended, delete "
                     f"{lock_path})") from None
     record = {"pid": os.getpid(), "host": socket.gethostname(),

@@ -278,10 +278,7 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None,
   main = jax.process_index() == 0
   rundir.check_writable(cfg.run.dir)
   if main:  # process 0 holds the folder for every process of the run
-    busy = rundir.holder(cfg.run.dir)
-    if busy:
-      raise ConfigError(f"run.dir={cfg.run.dir} is in use by {busy}: a run writes its folder "
-                        "alone; wait for that run to end or give this one another run.dir")
+    rundir.check_free(cfg.run.dir)
   resume.check_request(cfg, require_resume=require_resume)
   run = make_run(cfg, devices)
   init_params = resume.fresh_weights(run.cfg, require_resume=require_resume)
@@ -297,17 +294,16 @@ def train(cfg: Config, *, require_resume: bool = False, devices=None,
     try:
       start = resume.begin(run, ckpt, require_resume=require_resume, init_params=init_params)
       return _train(run, ckpt, start, guard or _watchdog.Guard())
-    except OSError as e:
-      failure = _writes.from_oserror(e, run.cfg.run.dir)
+    except (OSError, WriteFailed) as e:
+      failure = e if isinstance(e, WriteFailed) else _writes.from_oserror(e, run.cfg.run.dir)
       if failure is None:
         raise
-      abandon = True
-      failure.newest, failure.checkpoint_dir = _newest(ckpt), ckpt.directory
+      abandon = True  # after a failed write, waiting for the other writers could block
+      if failure.checkpoint_dir is None:  # not found by the checkpointer: say what it holds
+        failure.newest, failure.checkpoint_dir = _newest(ckpt), ckpt.directory
       raise failure from None
-    except (KeyboardInterrupt, WriteFailed):
-      # Stop now: a save in progress is left unfinished, and ignored later;
-      # after a failed write, waiting for the other writers could block.
-      abandon = True
+    except KeyboardInterrupt:
+      abandon = True  # stop now: a save in progress is left unfinished, and ignored later
       raise
     finally:
       if not abandon:
@@ -449,11 +445,8 @@ def _train(run: Run, ckpt: Checkpointer, begun: resume.Start,
           stop_nonfinite()
         else:
           _finish(run, report, saves, evaluate, state, start)
-    except WriteFailed as e:
-      report.close(abandon=True)
-      e.checkpoint_dir = e.checkpoint_dir or ckpt.directory
-      if e.newest is None:
-        e.newest = _newest(ckpt)
+    except WriteFailed:
+      report.close(abandon=True)  # train() says which checkpoint is intact
       raise
     except BaseException:
       report.close()
