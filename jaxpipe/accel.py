@@ -18,14 +18,6 @@
 - `cpu_xla_flags()`: the XLA flags the launcher adds elsewhere, for a run
   of one process (XLA's CPU compiler orders each program for memory, not
   for concurrency); `xla_default_order_flags()`, the planner's.
-- `tune_cpu_malloc()`: glibc's malloc told to keep the memory it gets from
-  the system, so that XLA's CPU buffers of one step do not page-fault again
-  in the next (the launcher sets it for CPU runs; `CPU_MALLOC` says how).
-- `start_backend()`, `epoll_threads(tids)` and `make_idle_class(tids)`: the
-  threads JAX's backend starts, the one among them that waits in epoll
-  (gloo's event loop in a multi-process CPU run), and Linux's idle
-  scheduling class for it, so that it does not hold a core its device's
-  thread needs (`jaxpipe.launch.idle_io_thread` decides where).
 - `device_memory(devices)`: each device's peak memory, where the runtime
   reports it (`Device.memory_stats()`; the CPU reports nothing).
 - `enable_compile_cache(dir)`: JAX's persistent compilation cache.
@@ -36,22 +28,15 @@ starts its backend, which is when XLA reads XLA_FLAGS.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib.metadata
 import json
 import os
-import platform
-import threading
-import time
-from typing import Any, Collection, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "StepFlops", "step_flops", "gpu_expected",
            "gpu_xla_flags", "nvidia_driver_loaded", "cuda_plugin_installed",
            "cpu_without_driver", "xla_options", "merge_xla_flags", "cpu_xla_flags",
-           "xla_default_order_flags",
-           "CPU_MALLOC", "ONE_ARENA", "tune_cpu_malloc", "thread_ids", "start_backend",
-           "epoll_threads", "make_idle_class", "device_memory", "write_device_memory",
+           "xla_default_order_flags", "device_memory", "write_device_memory",
            "enable_compile_cache"]
 
 # Dense (no 2:4 sparsity) bfloat16 tensor-core peak in TFLOP/s per chip, keyed
@@ -306,222 +291,6 @@ def xla_default_order_flags() -> list[str]:
   planner's `--compile` figure is the larger of the two.
   """
   return [f"{_CPU_ORDER_FLAG}=true"]
-
-
-# --- the CPU's allocator --------------------------------------------------------
-
-# glibc's mallopt() parameters (malloc.h) and the values the launcher sets.
-# XLA's CPU runtime allocates each step's buffers with malloc and frees them
-# at its end. glibc serves a block of 32 MiB or more (its largest mmap
-# threshold) with its own mmap and unmaps it on free, and deletes a thread
-# arena's heap (64 MiB at most) once it is empty: either way the next step
-# gets fresh pages and takes a page fault on each 4 KiB of them (15,000 per
-# step for the benchmark's one-device step, 30,000 for its 1f1b step; 2bw,
-# whose stash is state, took none, as gpipe and zb1 now do, `FlushedState`).
-# So: no mmap of its own (M_MMAP_MAX 0),
-# no trimming below 1 GiB free at the top of the heap (M_TRIM_THRESHOLD), a
-# top pad of 64 MiB (M_TOP_PAD), and, where it pays, one arena for every
-# thread (M_ARENA_MAX 1). The last is what keeps a block larger than a thread
-# arena's heap (GPT-2's logits): a thread arena cannot
-# grow a heap past 64 MiB and glibc maps such a block by itself, whatever
-# M_MMAP_MAX says, and unmaps it on free; the main arena grows with brk and
-# keeps it. The devices' threads then share the arena's lock: two devices of
-# one process lost 5-11% of their step to it where no block was that large,
-# so the launcher gives one arena (ONE_ARENA) to a process of one device
-# unless run.cpu_malloc_arenas says otherwise. It holds for threads that
-# allocate for the first time after it is set, which is why the launcher
-# sets it before JAX starts its backend. docs/benchmark.md measures each.
-CPU_MALLOC = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 1 << 30),
-              "M_TOP_PAD": (-2, 64 << 20)}
-ONE_ARENA = {"M_ARENA_MAX": (-8, 1)}
-# glibc reads these at start; a user who sets one has chosen the allocator.
-_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-               "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")
-
-
-def tune_cpu_malloc(env: Optional[Mapping[str, str]] = None, *,
-                    one_arena: bool = True) -> Optional[dict[str, int]]:
-  """Sets glibc's malloc options `CPU_MALLOC` in this process; returns what it set, or None.
-
-  With `one_arena`, also `ONE_ARENA`: every thread allocates from the main arena.
-
-  Nothing is set (None) where the C library is not glibc, or where the
-  environment already chooses malloc's behaviour (a `MALLOC_*` variable
-  glibc reads, or a `glibc.malloc.` tunable in GLIBC_TUNABLES): the user's
-  choice wins, as their XLA_FLAGS do. The options hold for the process from
-  then on; memory freed stays with it for the next step instead of going
-  back to the system.
-  """
-  env = os.environ if env is None else env
-  if any(k in env for k in _MALLOC_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
-    return None
-  if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-    return None
-  try:
-    mallopt = ctypes.CDLL(None).mallopt
-  except (OSError, AttributeError):
-    return None
-  # By hand, through ctypes: neither the standard library nor a package binds mallopt.
-  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-  done = {}
-  for name, (param, value) in {**CPU_MALLOC, **(ONE_ARENA if one_arena else {})}.items():
-    if mallopt(param, value) == 1:  # 1: accepted
-      done[name] = value
-  return done
-
-
-# --- the CPU collectives' I/O thread ------------------------------------------
-
-# Several processes on the CPU exchange their collectives through gloo, whose
-# TCP transport runs an event loop on a thread of its own (epoll), started
-# with JAX's CPU backend. While a collective is in flight that thread polls;
-# sharing its core with the device's thread at the same scheduling class, it
-# kept the core until the scheduler's next tick, and every all-reduce took
-# that tick (4 ms at 250 Hz) whatever its size. At Linux's idle class it
-# runs only when nothing else wants the core (docs/benchmark.md, "One
-# collective alone"; the launcher's policy: `jaxpipe.launch.idle_io_thread`).
-# A blocked thread's kernel function (wchan: do_epoll_wait or ep_poll) or
-# system call number while it waits in epoll.
-_EPOLL_WCHAN = ("epoll", "ep_poll")
-_EPOLL_SYSCALLS = {"x86_64": {"232", "281", "441"}, "aarch64": {"22", "441"}}
-
-
-def thread_ids() -> set[int]:
-  """The ids of this process's threads now (Linux's /proc; an empty set elsewhere)."""
-  try:
-    return {int(t) for t in os.listdir("/proc/self/task")}
-  except OSError:
-    return set()
-
-
-def start_backend(*, split_ops: bool = True) -> tuple[list[Any], set[int]]:
-  """Starts JAX's backend: (`jax.devices()`, the ids of the threads that appeared meanwhile).
-
-  Where the backend had started before, no thread appears. With
-  `split_ops=False` and CPU devices, the programs compiled from then on
-  inside `compiling()` have no loop operation partitioned over the threads;
-  `split_ops=True`, or devices of another platform, leave XLA's choice.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  global _COMPILE_CORES
-  before = thread_ids()
-  devices = jax.devices()
-  cpu = bool(devices) and devices[0].platform == "cpu"
-  _COMPILE_CORES = (frozenset(os.sched_getaffinity(0))
-                    if not split_ops and cpu and hasattr(os, "sched_getaffinity") else None)
-  return devices, thread_ids() - before
-
-
-# The cores of the process while XLA compiles without partitioning loop
-# operations (`start_backend(split_ops=False)`); None: XLA compiles as it will.
-_COMPILE_CORES: Optional[frozenset] = None
-_PINNED = {"depth": 0, "saved": {}}
-_PIN_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def compiling():
-  """Where the backend was started with split_ops=False: XLA compiles in here
-  without partitioning any loop operation over the threads.
-
-  XLA's CPU compiler partitions a loop operation over as many threads as
-  the cores its compiling thread may use (`outer_dimension_partitions` in
-  the compiled HLO; the build option that would say so is not reachable
-  from JAX), and the runtime hands the other part to its thread pool. Where
-  every core already runs a device of the process, that part waits for a
-  thread busy with another device's work, and the devices of a pipeline
-  wait for each other (docs/benchmark.md, "Operations split over the
-  threads"). The compilation runs on one of XLA's own threads, so while
-  inside, every thread of the process may use one core only, and after,
-  each gets back the cores it had (a program already running is moved back
-  at once); nested or concurrent uses pin once and restore once. Dots are
-  not loop operations: the runtime still splits them over its pool. The
-  compilation itself then runs on one core. Elsewhere this does nothing.
-  JAX's persistent compilation cache does not key on this: a program it
-  holds is loaded as it was compiled.
-  """
-  cores = _COMPILE_CORES
-  if cores is None:
-    yield
-    return
-  with _PIN_LOCK:
-    if _PINNED["depth"] == 0:
-      _PINNED["saved"] = _pin_threads({min(cores)})
-    _PINNED["depth"] += 1
-  try:
-    yield
-  finally:
-    with _PIN_LOCK:
-      _PINNED["depth"] -= 1
-      if _PINNED["depth"] == 0:
-        saved = _PINNED["saved"]
-        # A thread that started while pinned gets the process's cores.
-        for tid in thread_ids():
-          _set_affinity(tid, saved.get(tid, cores))
-
-
-def _pin_threads(cores: set[int]) -> dict[int, frozenset]:
-  """Pins every thread of the process to `cores`; returns each one's cores before."""
-  saved = {}
-  for tid in thread_ids():
-    try:
-      saved[tid] = frozenset(os.sched_getaffinity(tid))
-    except OSError:  # a thread that ended meanwhile
-      continue
-    _set_affinity(tid, cores)
-  return saved
-
-
-def _set_affinity(tid: int, cores) -> None:
-  try:
-    os.sched_setaffinity(tid, cores)
-  except OSError:  # a thread that ended meanwhile
-    pass
-
-
-def _in_epoll(tid: int) -> bool:
-  try:
-    with open(f"/proc/self/task/{tid}/wchan") as f:
-      if any(name in f.read() for name in _EPOLL_WCHAN):
-        return True
-    with open(f"/proc/self/task/{tid}/syscall") as f:
-      call = f.read().split()[:1]
-  except OSError:
-    return False
-  return bool(call) and call[0] in _EPOLL_SYSCALLS.get(platform.machine(), set())
-
-
-def epoll_threads(tids: Collection[int], *, samples: int = 20,
-                  interval_s: float = 0.005) -> list[int]:
-  """The threads of `tids` seen waiting in epoll, in id order.
-
-  Each is looked at `samples` times, `interval_s` apart, since an event
-  loop is not always blocked. Among the threads JAX's CPU backend starts in
-  a run with gloo collectives it was gloo's event loop alone (XLA's own
-  threads wait on futexes). Nothing is found off Linux.
-  """
-  found: set[int] = set()
-  for i in range(samples):
-    found |= {t for t in tids if t not in found and _in_epoll(t)}
-    if i + 1 < samples:
-      time.sleep(interval_s)
-  return sorted(found)
-
-
-def make_idle_class(tids: Collection[int]) -> list[int]:
-  """Puts each thread of `tids` under Linux's SCHED_IDLE; returns those it could set.
-
-  An idle-class thread runs only when nothing else wants its core, and a
-  normal thread it wakes takes the core at once.
-  """
-  done = []
-  for t in sorted(tids):
-    try:
-      os.sched_setscheduler(t, os.SCHED_IDLE, os.sched_param(0))
-    except (OSError, AttributeError):
-      continue
-    done.append(t)
-  return done
 
 
 # --- memory and compilation cache -------------------------------------------

@@ -41,8 +41,6 @@ Head = Literal["auto", "vocab_parallel", "last_stage"]
 OptimizerName = Literal["adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap"]
 LrSchedule = Literal["constant", "cosine", "wsd"]
 NanPolicy = Literal["skip", "stop"]
-CpuSplitOps = Literal["auto", "always", "never"]
-CpuArenas = Literal["auto", "one", "per_thread"]
 AdanForm = Literal["paper", "optax"]
 NsCoeffs = Literal["jordan", "polar_express"]
 
@@ -52,8 +50,6 @@ HEAD_CHOICES: tuple[str, ...] = typing.get_args(Head)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 LR_SCHEDULES: tuple[str, ...] = typing.get_args(LrSchedule)
 NAN_POLICIES: tuple[str, ...] = typing.get_args(NanPolicy)
-CPU_ARENAS: tuple[str, ...] = typing.get_args(CpuArenas)
-CPU_SPLIT_OPS: tuple[str, ...] = typing.get_args(CpuSplitOps)
 ADAN_FORMS: tuple[str, ...] = typing.get_args(AdanForm)
 NS_PRESETS: tuple[str, ...] = typing.get_args(NsCoeffs)
 
@@ -74,17 +70,10 @@ class RunConfig:
   # rerun on the same GPUs and mesh repeats bit for bit; false trades that for speed.
   deterministic: bool = True
   compile_cache: str = ""        # a directory for JAX's persistent compilation cache; "" = none
-  # Runs on CPUs: glibc's malloc arenas (jaxpipe.accel.tune_cpu_malloc). "one"
-  # keeps blocks over 64 MiB from step to step (a large vocabulary's logits,
-  # gpipe's stash) but the devices' threads of a process share its lock;
-  # "auto" is "one" for a process of one device, "per_thread" otherwise.
-  cpu_malloc_arenas: CpuArenas = "auto"
-  # Runs on CPUs: whether XLA's compiler may partition a loop operation of the
-  # training step over the process's threads (jaxpipe.accel.compiling; dots
-  # are split by the runtime either way). "auto" is "never" where the process
-  # has at least as many devices as cores in its affinity (a stage per core),
-  # "always" otherwise. Ignored on GPUs; "never" compiles on one core.
-  cpu_split_ops: CpuSplitOps = "auto"
+  # A module imported at launch whose functions prepare the process
+  # (jaxpipe.launch.Hooks), e.g. tools.cpu.tuning from a clone: the CPU
+  # tuning the two-core benchmark runs with. "" = none.
+  launch_hooks: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,10 +211,6 @@ class DistConfig:
   # Counted, as the step clock, once the first step has finished (a fresh
   # run's first evaluation comes before it); 0 = never.
   save_timeout_s: int = 3600
-  # Several processes on the CPU: gloo's I/O thread idle-class where each
-  # core of this process serves a device (jaxpipe.launch.idle_io_thread says
-  # why). No effect on GPUs or for one process.
-  idle_io_thread: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,18 +6,24 @@ NVIDIA GPUs its GPU flags); `start` then turns on the compilation cache (`run.co
 joins a multi-process run when the config or the environment asks for one
 (with this process's GPUs, `local_device_ids`, and the `dist.*` timeouts),
 starts watching the other processes (`jaxpipe._watchdog.Peers`: a lost one
-ends this one with one line and EXIT_LOST), starts JAX's backend (on CPUs
-with several processes, gloo's I/O thread idle-class: `idle_io_thread`),
-and checks that the mesh's devices exist.
+ends this one with one line and EXIT_LOST), starts JAX's backend and checks
+that the mesh's devices exist.
+
+`run.launch_hooks` names a module whose functions the launch calls on the
+way (`Hooks`); the clone's `tools/cpu/tuning.py` is the one it was made
+for: the CPU tuning of the two-core benchmark, which jaxpipe itself does
+without.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import re
 import sys
-from typing import Mapping, Optional
+from types import ModuleType
+from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol
 
 from jaxpipe import _watchdog
 from jaxpipe import accel
@@ -26,10 +32,54 @@ from jaxpipe.config import Config
 from jaxpipe.errors import ConfigError
 
 __all__ = ["prepare_devices", "start", "check_devices", "local_devices_needed",
-           "distributed_settings", "local_device_ids", "watch_peers", "idle_io_thread",
-           "one_malloc_arena"]
+           "distributed_settings", "local_device_ids", "watch_peers", "Hooks", "hooks",
+           "compile_scope"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+class Hooks(Protocol):
+  """What a `run.launch_hooks` module may define; the launch calls those it has, in this order.
+
+  `prepare(cfg, local_devices)` before JAX starts (XLA_FLAGS are set, the
+  backend is not); `backend_starting()` just before and `backend_started(cfg,
+  devices, num_processes, process_id)` just after JAX starts its backend
+  (`jax.distributed` joined, if it is a run of several processes);
+  `compile_scope()` a context the training step compiles in.
+  """
+
+  def prepare(self, cfg: Config, local_devices: int) -> None: ...
+  def backend_starting(self) -> None: ...
+  def backend_started(self, cfg: Config, devices: list, num_processes: int,
+                      process_id: int) -> None: ...
+  def compile_scope(self) -> ContextManager: ...
+
+
+def hooks(cfg: Config) -> Optional[ModuleType]:
+  """The module `run.launch_hooks` names, imported; None where it names none.
+
+  Raises ConfigError, in one line, where it cannot be imported.
+  """
+  name = cfg.run.launch_hooks
+  if not name:
+    return None
+  try:
+    return importlib.import_module(name)
+  except ImportError as e:
+    hint = (" (tools.cpu.tuning is in a clone of the repository: run its train.py)"
+            if name.startswith("tools.") else "")
+    raise ConfigError(f"run.launch_hooks={name}: cannot import it: {e}{hint}") from None
+
+
+def _call(cfg: Config, name: str, *args: Any) -> None:
+  fn = getattr(hooks(cfg), name, None)
+  if fn is not None:
+    fn(*args)
+
+
+def compile_scope(cfg: Config) -> Optional[Callable[[], ContextManager]]:
+  """The `compile_scope` of `run.launch_hooks`' module, or None (compile as XLA will)."""
+  return getattr(hooks(cfg), "compile_scope", None)
 
 
 def distributed_settings(cfg: Config) -> tuple[str, int, int]:
@@ -74,12 +124,8 @@ def prepare_devices(cfg: Config) -> None:
   (the latency-hiding scheduler, the pipeline flags for a pipelined schedule,
   deterministic ops with run.deterministic); elsewhere, for a run of one
   process, `accel.cpu_xla_flags` (XLA's CPU compiler ordering each program
-  for memory). Without a GPU it also sets glibc's malloc options
-  (`accel.tune_cpu_malloc`), so that the devices' buffers of one step do
-  not page-fault again in the next; one malloc arena for every thread where
-  the process has one device, or as `run.cpu_malloc_arenas` says.
-  A flag the user already put in XLA_FLAGS is kept, with its value, and so
-  is malloc's behaviour where the environment sets it.
+  for memory). A flag the user already put in XLA_FLAGS is kept, with its
+  value. Then `run.launch_hooks`' `prepare`.
   """
   # jaxlib's CUDA plugin on a machine without NVIDIA's driver (installed to
   # compile for GPUs here, `jaxpipe.gpu`): JAX runs on the CPU, quietly.
@@ -92,56 +138,15 @@ def prepare_devices(cfg: Config) -> None:
     flags = accel.merge_xla_flags(flags, accel.gpu_xla_flags(
         deterministic=cfg.run.deterministic,
         pipelined=cfg.pipeline.schedule != "none" and cfg.pipeline.stages > 1))
-  else:
-    # The devices' buffers are the host's memory, from malloc. One arena keeps
-    # blocks of any size but makes the devices' threads of one process take
-    # turns at its lock (docs/benchmark.md, "Page faults"): by default for one
-    # device only.
-    accel.tune_cpu_malloc(one_arena=one_malloc_arena(cfg.run.cpu_malloc_arenas, need))
-    if distributed_settings(cfg)[1] == 1:
-      # One process only: with the flag, two processes of a 2bw run (gloo
-      # collectives) that load their step from JAX's persistent compilation
-      # cache hang in their first step (compiled afresh they do not; without
-      # the flag they do neither), as tests/test_distributed.py showed.
-      flags = accel.merge_xla_flags(flags, accel.cpu_xla_flags())
+  elif distributed_settings(cfg)[1] == 1:
+    # One process only: with the flag, two processes of a 2bw run (gloo
+    # collectives) that load their step from JAX's persistent compilation
+    # cache hang in their first step (compiled afresh they do not; without
+    # the flag they do neither), as tests/test_distributed.py showed.
+    flags = accel.merge_xla_flags(flags, accel.cpu_xla_flags())
   if flags:
     os.environ["XLA_FLAGS"] = flags
-
-
-def one_malloc_arena(choice: str, local_devices: int) -> bool:
-  """Whether a CPU process of `local_devices` devices gets one malloc arena.
-
-  `choice` is a value of `run.cpu_malloc_arenas`. `auto`: where it has one
-  device (no other device's thread to share the arena's lock with); `one`
-  and `per_thread` say it outright.
-  """
-  if choice not in config_lib.CPU_ARENAS:
-    raise ValueError(f"malloc arenas must be one of {', '.join(config_lib.CPU_ARENAS)}, "
-                     f"got {choice!r}")
-  return choice == "one" or (choice == "auto" and local_devices == 1)
-
-
-def usable_cores() -> Optional[int]:
-  """The cores this process may run on (its CPU affinity), or None where that is unknown."""
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-
-
-def split_cpu_ops(choice: str, local_devices: int, cores: Optional[int]) -> bool:
-  """Whether XLA's CPU compiler may partition a loop operation over the process's threads.
-
-  `choice` is a value of `run.cpu_split_ops`. `auto`: only where the process
-  may use more cores than it has devices (one device on a many-core host
-  gains from it), or where its cores are unknown (None); where every core
-  runs a device, a partitioned operation waits for a thread busy with
-  another device (`jaxpipe.accel.compiling`). The cores are the process's
-  CPU affinity, not a cgroup's CPU quota.
-  """
-  if choice not in config_lib.CPU_SPLIT_OPS:
-    raise ValueError(f"run.cpu_split_ops must be one of {', '.join(config_lib.CPU_SPLIT_OPS)}, "
-                     f"got {choice!r}")
-  if choice != "auto":
-    return choice == "always"
-  return cores is None or cores > local_devices
+  _call(cfg, "prepare", cfg, need)
 
 
 def start(cfg: Config, guard: Optional[_watchdog.Guard] = None) -> _watchdog.Guard:
@@ -149,8 +154,8 @@ def start(cfg: Config, guard: Optional[_watchdog.Guard] = None) -> _watchdog.Gua
 
   With several processes, `guard` (the command's `jaxpipe._watchdog.Guard`;
   a new one if None) learns which process this is and watches its peers
-  (`watch_peers`); returns it. On CPUs with several processes, gloo's I/O
-  thread may be made idle-class (`idle_io_thread`).
+  (`watch_peers`); returns it. `run.launch_hooks`' `backend_starting` and
+  `backend_started` come around the backend's start.
   """
   guard = guard or _watchdog.Guard()
   coordinator, num, pid = distributed_settings(cfg)
@@ -179,42 +184,11 @@ def start(cfg: Config, guard: Optional[_watchdog.Guard] = None) -> _watchdog.Gua
       # SLURM: everything else from the job's environment.
       jax.distributed.initialize(local_device_ids=ids, **timeouts)
     watch_peers(cfg, guard)
-  # On CPUs, each device of the process is one of its threads: whether a
-  # loop operation may also be partitioned over them (`split_cpu_ops`; the
-  # backend ignores it for devices of another platform).
-  split = split_cpu_ops(cfg.run.cpu_split_ops, local_devices_needed(cfg), usable_cores())
-  devices, new_threads = accel.start_backend(split_ops=split)  # gloo's I/O thread starts here
-  if num > 1 and cfg.dist.idle_io_thread and devices[0].platform == "cpu":
-    idle_io_thread(new_threads, len(jax.local_devices()), pid)
+  _call(cfg, "backend_starting")
+  devices = jax.devices()  # gloo's I/O thread starts here
+  _call(cfg, "backend_started", cfg, devices, num, pid)
   check_devices(cfg, devices)
   return guard
-
-
-def idle_io_thread(new_threads: set[int], local_devices: int, pid: int) -> list[int]:
-  """Runs gloo's I/O thread idle-class where every core this process may use serves a device.
-
-  `new_threads`: the threads that appeared while JAX's CPU backend started
-  (`accel.start_backend`). Where the process may use more cores than it
-  has devices, the I/O thread has a core to itself and is left alone. The
-  thread is the one of them found waiting in epoll; where there are none or
-  several, none is changed. Says on stderr what it did; returns the ids
-  set idle-class. On a core that another process keeps busy an idle-class
-  thread waits for it; `dist.idle_io_thread=false` turns this off.
-  """
-  cores = usable_cores()
-  if cores is None or cores > local_devices:
-    return []
-  found = accel.epoll_threads(new_threads)
-  done = accel.make_idle_class(found) if len(found) == 1 else []
-  if done:
-    print(f"process {pid}: gloo's I/O thread {done[0]} runs idle-class ({cores} "
-          f"core{'s' if cores > 1 else ''} for {local_devices} device"
-          f"{'s' if local_devices > 1 else ''}; dist.idle_io_thread)", file=sys.stderr, flush=True)
-  else:
-    print(f"process {pid}: gloo's I/O thread left at the normal class ({len(found)} of the "
-          "backend's new threads wait in epoll, where one was expected)",
-          file=sys.stderr, flush=True)
-  return done
 
 
 def watch_peers(cfg: Config, guard: _watchdog.Guard) -> None:

@@ -79,9 +79,11 @@ RESUMABLE_KEYS = frozenset({
     "model.init_from",
     # How and where the same program runs: XLA's flags, its compilation cache,
     # which devices a process takes and how the mesh is laid over the nodes,
-    # the host's malloc arenas, whether XLA splits an operation over threads
-    # and gloo's I/O thread on CPUs.
+    # the launch hooks (the CPU tuning: how the host runs it, not what).
     "run.deterministic", "run.compile_cache", "dist.local_device_ids", "mesh.layout",
+    "run.launch_hooks",
+    # Keys of earlier releases (the CPU tuning's, now tools/cpu/tuning.py's
+    # environment): a checkpoint that has them resumes.
     "run.cpu_malloc_arenas", "run.cpu_split_ops", "dist.idle_io_thread",
     # When a run of several processes gives up on a lost one.
     "dist.heartbeat_timeout_s", "dist.init_timeout_s", "dist.shutdown_timeout_s",

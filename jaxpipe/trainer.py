@@ -196,7 +196,8 @@ def schedule_from_config(cfg: Config, fns: StageFns, optimizer: Any, mesh: jax.s
                             shard_optimizer=cfg.mesh.shard_optimizer,
                             expert_parallel=cfg.mesh.expert_parallel,
                             vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
-                            predict=predict)
+                            predict=predict,
+                            compile_scope=launch.compile_scope(cfg))
   return make_schedule(name, fns, optimizer, mesh, p.microbatches, options)
 
 

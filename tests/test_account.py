@@ -1,4 +1,4 @@
-"""jaxpipe.account: a profiler trace read back per device, phase, collective, wait and gap.
+"""The CPU trace account (tools/cpu/account.py): a profiler trace read back per device, phase, collective, wait and gap.
 
 A synthetic trace (the events XLA's CPU runtime writes, with made-up times)
 checks the arithmetic exactly; a real trace of a small pipelined step checks
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe import account
+from tools.cpu import account
 
 HLO = """
 HloModule jit_step

@@ -120,9 +120,11 @@ def test_data_across_nodes_with_local_ranks(tmp_path, cache):
 @pytest.mark.skipif(shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2,
                     reason="needs taskset and two cores")
 def test_a_process_per_core_runs_the_io_thread_idle_class(tmp_path, cache):
-  """A stage and a core per process: gloo's I/O thread yields its core; the losses hold."""
+  """With the CPU tuning's launch hooks (tools/cpu/tuning.py), a stage and a core per
+  process: gloo's I/O thread yields its core; the losses hold."""
   args = ("pipeline.schedule=2bw", "pipeline.stages=2", "mesh.data=1", "run.steps=2",
-          "checkpoint.every=0", "optimizer.name=muon", "optimizer.error_feedback=1")
+          "checkpoint.every=0", "optimizer.name=muon", "optimizer.error_feedback=1",
+          "run.launch_hooks=tools.cpu.tuning")
   single = str(tmp_path / "single")
   assert _runs.run(single, *args, cache_dir=cache).returncode == 0
   pins = sorted(os.sched_getaffinity(0))[:2]
@@ -131,12 +133,12 @@ def test_a_process_per_core_runs_the_io_thread_idle_class(tmp_path, cache):
   outs = _run_two(multi, *args, envs=[env, env], pins=pins)
   for i in range(2):
     assert re.search(rf"process {i}: gloo's I/O thread [0-9]+ runs idle-class "
-                     r"\(1 core for 1 device; dist.idle_io_thread\)", outs[i][1]), outs[i][1]
+                     r"\(1 core for 1 device; JAXPIPE_CPU_IO_THREAD\)", outs[i][1]), outs[i][1]
   a, b = _runs.train_losses(single), _runs.train_losses(multi)
   assert [b[k] for k in range(2)] == pytest.approx([a[k] for k in range(2)], rel=1e-6, abs=0)
-  # Turned off, the launcher leaves it alone (a spare core: test_accel).
-  off = _run_two(str(tmp_path / "off"), *args, "dist.idle_io_thread=false", envs=[env, env],
-                 pins=pins)
+  # Turned off, the hooks leave it alone (a spare core: test_cpu_tuning).
+  off_env = dict(env, JAXPIPE_CPU_IO_THREAD="normal")
+  off = _run_two(str(tmp_path / "off"), *args, envs=[off_env, off_env], pins=pins)
   assert not any("gloo's I/O thread" in err for _, err in off)
   assert _runs.train_losses(str(tmp_path / "off")) == b
 

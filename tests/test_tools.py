@@ -24,9 +24,15 @@ TOOLS = os.path.join(ROOT, "tools")
 CONFIGS = os.path.join(ROOT, "configs")
 
 
+def _path(name: str) -> str:
+  """tools/<name>.py, or tools/cpu/<name>.py for the CPU benchmarks."""
+  cpu = os.path.join(TOOLS, "cpu", f"{name}.py")
+  return cpu if os.path.exists(cpu) else os.path.join(TOOLS, f"{name}.py")
+
+
 def _load(name: str):
-  """Imports tools/<name>.py as a module (tools/ is not a package)."""
-  spec = importlib.util.spec_from_file_location(f"_tool_{name}", os.path.join(TOOLS, f"{name}.py"))
+  """Imports a tool (`_path`) as a module, by its file."""
+  spec = importlib.util.spec_from_file_location(f"_tool_{name}", _path(name))
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
@@ -34,7 +40,7 @@ def _load(name: str):
 
 
 def _tool(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, os.path.join(TOOLS, f"{name}.py"), *args],
+  return subprocess.run([sys.executable, _path(name), *args],
                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -631,7 +637,7 @@ def test_planner_bad_input_is_one_line_and_status_2(args):
     ("bench_train_steps", ("--steps", "4")),
     ("bench_train_steps", ("--cores", "0")),
     ("bench_train_steps", ("--tokenizer", "sentencepiece")),
-    ("bench_train_steps", ("run.cpu_malloc_arenas",)),
+    ("bench_train_steps", ("run.launch_hooks",)),
     ("bench_collectives", ("--reps", "2")),
     ("bench_collectives", ("--cores", "0,0")),
     ("bench_collectives", ("--cores", "a,b")),
@@ -649,7 +655,7 @@ def test_bench_train_steps_rotates_rounds_and_divides_the_reference(monkeypatch)
   fake["hardware"] = [0.9, 0.75]
 
   def run_once(schedule, cores, tokenizer, steps, work, extra=()):
-    assert extra == ("run.cpu_malloc_arenas=one",)   # the overrides reach every run
+    assert extra == ("model.remat=none",)   # the overrides reach every run
     calls.append((schedule, cores))
     return fake[schedule][sum(1 for c, _ in calls if c == schedule) - 1]
 
@@ -667,7 +673,7 @@ def test_bench_train_steps_rotates_rounds_and_divides_the_reference(monkeypatch)
   monkeypatch.setattr(mod, "run_hardware", run_hardware)
   monkeypatch.setattr(mod, "run_ceiling", run_ceiling)
   rows = mod.measure(("2bw", "1f1b"), "byte", 2, 8, ("0", "1"), log=lambda _: None,
-                     extra=("run.cpu_malloc_arenas=one",))
+                     extra=("model.remat=none",))
   assert calls == [("none", "0"), ("2bw", "0,1"), ("1f1b", "0,1"), ("hardware", "0,1"),
                    ("ceiling", "0,1"),
                    ("2bw", "0,1"), ("1f1b", "0,1"), ("hardware", "0,1"), ("ceiling", "0,1"),
@@ -777,9 +783,9 @@ def test_bench_train_steps_reads_train_py_step_times(tmp_path, monkeypatch):
 
   monkeypatch.setattr(mod.subprocess, "run", fake_run)
   assert mod.run_once("2bw", "0,1", "byte", 6, str(tmp_path),
-                      ("run.cpu_malloc_arenas=one",)) == pytest.approx(0.6)
+                      ("model.remat=none",)) == pytest.approx(0.6)
   cmd = seen["cmd"]
-  assert cmd[-1] == "run.cpu_malloc_arenas=one"
+  assert cmd[-2:] == ["run.launch_hooks=tools.cpu.tuning", "model.remat=none"]
   assert cmd[:3] == ["taskset", "-c", "0,1"] and "pipeline.stages=2" in cmd
   assert "pipeline.schedule=2bw" in cmd and "model.dim=256" in cmd
   assert seen["env"]["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false"

@@ -210,7 +210,7 @@ def test_zb1_traces_w_under_its_own_phase():
   input-gradient matmuls B's (`pipe_backward`); 1f1b's unsplit backward has
   no W phase.
   """
-  from jaxpipe import account  # pylint: disable=g-import-not-at-top
+  from tools.cpu import account  # pylint: disable=g-import-not-at-top
   m = 4
 
   def dots_by_phase(name):

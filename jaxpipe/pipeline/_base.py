@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,6 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpipe import accel
 from jaxpipe.pipeline import _vocab
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, no_experts
 from jaxpipe.pipeline._mesh import make_mesh
@@ -137,13 +136,14 @@ class StepProgram:
   wrapped JAX object's, `compile` returning a `StepProgram` again.
   """
 
-  def __init__(self, inner: Any, args: Any):
-    self._inner, self._args = inner, args
+  def __init__(self, inner: Any, args: Any, scope: Callable[[], Any] = contextlib.nullcontext):
+    self._inner, self._args, self._scope = inner, args, scope
 
   def compile(self, *a, **k) -> "StepProgram":
-    """The compiled step (`jax.stages.Lowered.compile`, in `accel.compiling`), wrapped likewise."""
-    with accel.compiling():
-      return StepProgram(self._inner.compile(*a, **k), self._args)
+    """The compiled step (`jax.stages.Lowered.compile`, inside the schedule's
+    `ScheduleOptions.compile_scope`), wrapped likewise."""
+    with self._scope():
+      return StepProgram(self._inner.compile(*a, **k), self._args, self._scope)
 
   def __call__(self, state, *rest):
     """Runs the compiled step on `state` (and tokens, targets, `go`): (state, metrics)."""
@@ -235,13 +235,15 @@ class Schedule:
                num_microbatches: int, *, stash: str = "inputs", shard_optimizer: bool = True,
                expert_parallel: bool = True, vocab_parallel: bool = True,
                predict: Optional[Any] = None, virtual_stages: int = 1,
-               overlap_sends: Optional[bool] = None):
+               overlap_sends: Optional[bool] = None,
+               compile_scope: Optional[Callable[[], Any]] = None):
     if not vocab_parallel:
       # The shared parameters whole on every stage: the embedding is used on
       # the first, the head on the last (see `Engine`).
       fns = fns._replace(vocab_axes=jax.tree.map(lambda _: None, fns.vocab_axes,
                                                  is_leaf=lambda a: a is None))
     self.vocab_parallel = vocab_parallel
+    self.compile_scope = compile_scope or contextlib.nullcontext
     self.fns, self.opt, self.mesh = fns, optimizer, mesh
     self.shard_optimizer = shard_optimizer
     self.predict = predict
@@ -597,11 +599,11 @@ class Schedule:
     """
     guarded = go is not None
     fn, args = self._jitted_step(state, guarded)
-    # The first call of each kind compiles (`accel.compiling`: on CPUs with a
-    # core per device, no loop operation partitioned over the threads); a
-    # later call with inputs of other types would compile outside it.
+    # The first call of each kind compiles, inside `compile_scope` (the CPU
+    # tuning's pins the compiler's threads); a later call with inputs of
+    # other types would compile outside it.
     first = guarded not in self._compiled_steps
-    with accel.compiling() if first else contextlib.nullcontext():
+    with self.compile_scope() if first else contextlib.nullcontext():
       out = fn(args(state), tokens, targets, *((go,) if guarded else ()))
     self._compiled_steps.add(guarded)
     return out
@@ -613,7 +615,7 @@ class Schedule:
     """
     fn, args = self._jitted_step(state, go is not None)
     return StepProgram(fn.lower(args(state), tokens, targets, *(() if go is None else (go,))),
-                       args)
+                       args, self.compile_scope)
 
   def _evaluate(self, params, tokens, targets):
     """Mean loss of a batch at `params` (the state's layout), jitted once."""

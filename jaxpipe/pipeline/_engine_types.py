@@ -32,8 +32,9 @@ __all__ = ["StageFns", "TickCarry", "StepContext", "TickLoop", "PHASE", "TICKS",
 AXES = (STAGE, DATA)
 # The phases of a tick, each traced under its own `jax.named_scope`, so that a
 # profile (XLA's CPU trace, Nsight Systems, XProf) names the work of every
-# operation; `jaxpipe.account` reads them back. The schedules add the
-# once-per-step gradient reduction and the optimizer update.
+# operation (the CPU trace account, tools/cpu/account.py, reads them back).
+# The schedules add the once-per-step gradient reduction and the optimizer
+# update.
 # zb1's W (the weights' gradient, split from the backward) is a phase of its
 # own, so that an account tells B from W.
 PHASE = {p: f"pipe_{p}" for p in ("embed", "forward", "head", "backward", "weight_grad",

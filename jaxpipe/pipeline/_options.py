@@ -76,6 +76,13 @@ class ScheduleOptions:
   on where the mesh's devices are not CPUs, on which a collective is a
   barrier and one exchange per tick is faster."""
 
+  compile_scope: Optional[Callable[[], Any]] = None
+  """A function returning the context manager each compilation of the step
+  runs in (its first call of each kind, `StepProgram.compile`), e.g. the
+  launch hooks' (`jaxpipe.launch.compile_scope`); None: compile as XLA will.
+  The compiled program's text is the same either way; what the scope
+  changes is how the compiler runs (the CPU tuning pins its threads)."""
+
   def as_kwargs(self) -> dict[str, Any]:
     """{field: value}, shallow (`predict` stays the very function, unlike `dataclasses.asdict`)."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Throughput benchmark of the pipeline schedules: an emulated CPU mesh, or two real cores.
 
-  python tools/bench_pipeline.py                       # S=4, M=8: the targets' run
-  python tools/bench_pipeline.py --repeats 7 --out-md /tmp/bench.md
-  python tools/bench_pipeline.py --schedules 1f1b,"interleaved v2",zb1 --account 3 --no-compile-sweep
-  python tools/bench_pipeline.py --sweep --out-md /tmp/sweep.md --out-png /tmp/bench_sweep.png
-  python tools/bench_pipeline.py --two-core --remat dots --account 8 --out-md /tmp/two_core.md
+  python tools/cpu/bench_pipeline.py                       # S=4, M=8: the targets' run
+  python tools/cpu/bench_pipeline.py --repeats 7 --out-md /tmp/bench.md
+  python tools/cpu/bench_pipeline.py --schedules 1f1b,"interleaved v2",zb1 --account 3 --no-compile-sweep
+  python tools/cpu/bench_pipeline.py --sweep --out-md /tmp/sweep.md --out-png /tmp/bench_sweep.png
+  python tools/cpu/bench_pipeline.py --two-core --remat dots --account 8 --out-md /tmp/two_core.md
 
 In one process, for S stages and M microbatches (a model split into S
 stages, one emulated device each; the one-device reference runs the same
@@ -26,7 +26,7 @@ global batch as M microbatches of gradient accumulation), it measures:
 With --account N, each schedule then runs N steps under the profiler, and
 the report gains where they spent their time per device and phase and the
 collectives each device ran per step (count and bytes, point to point and
-in collectives; `jaxpipe.account`).
+in collectives; `tools/cpu/account.py`).
 
 It prints markdown tables and the project's targets with PASS/MISS, and writes
 them to --out-md; --sweep runs S in {2, 4} x M in {4, 8, 16} and draws step
@@ -36,7 +36,7 @@ The emulated devices are threads of one process that share this machine's
 cores, so the ratios measure how much work each schedule does per step, not
 how a real S-device pipeline would scale: see docs/benchmark.md.
 
---two-core measures real parallelism instead (tools/bench_two_core.py): a
+--two-core measures real parallelism instead (tools/cpu/bench_two_core.py): a
 process per configuration, pinned with taskset and with one XLA thread per
 device: the one-device reference on one core, each schedule with S=2 stages
 on two cores, the no-collective ceiling (two devices of one process, each
@@ -49,7 +49,7 @@ a few percent for its life). It prints the median
 speed-up, its quartiles and extremes, the bubble bound 2(1 - bubble), the
 share of the ceiling and the targets, for each vocabulary of --vocab
 (default bytes and GPT-2's); with --account N, also where N traced steps of
-each configuration spent their time, per device and phase (jaxpipe.account).
+each configuration spent their time, per device and phase (tools/cpu/account.py).
 
 Bad input exits with status 2 and one line on stderr.
 """
@@ -65,7 +65,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position

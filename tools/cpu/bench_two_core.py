@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The two-core measurement of `tools/bench_pipeline.py --two-core`: real parallelism.
+"""The two-core measurement of `tools/cpu/bench_pipeline.py --two-core`: real parallelism.
 
 A process per configuration, each pinned with taskset and with one XLA thread
 per device: the one-device reference on one core; each schedule with S=2
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -59,17 +59,12 @@ def target(schedule: str, vocab: int, ceiling: Optional[float],
 
 # The suffix of the rows run with `--compare-xla-flags` or `--compare-env`.
 COMPARED = " [B]"
-# A worker of a 'x2' row leaves gloo's I/O thread at the normal class with
-# this set to "normal" (for --compare-env; train.py's key: dist.idle_io_thread).
-IO_THREAD_ENV = "JAXPIPE_BENCH_IO_THREAD"
-# A worker's malloc arenas, as train.py's key run.cpu_malloc_arenas takes them
-# (for --compare-env: "one" or "per_thread"); unset, "auto", as train.py's default.
-ARENA_ENV = "JAXPIPE_BENCH_ARENAS"
-
-# Whether a worker's XLA may split an operation over its threads, as
-# train.py's key run.cpu_split_ops takes it (for --compare-env: "always" or
-# "never"); unset, "auto", as train.py's default.
-SPLIT_ENV = "JAXPIPE_BENCH_SPLIT_OPS"
+# A worker reads the CPU tuning's own variables (tools/cpu/tuning.py), as a
+# train.py run with run.launch_hooks=tools.cpu.tuning does: gloo's I/O thread
+# left at the normal class with IO_THREAD_ENV=normal, the malloc arenas
+# (ARENA_ENV: one or per_thread), whether XLA may split an operation over
+# the threads (SPLIT_ENV: always or never); unset, "auto" (for --compare-env).
+from tuning import ARENA_ENV, IO_THREAD_ENV, SPLIT_ENV  # pylint: disable=wrong-import-position
 
 # Marks the worker's replies on its stdout, where libraries (gloo) print too.
 _REPLY = "@jaxpipe-bench"
@@ -90,21 +85,21 @@ def worker(spec: dict[str, Any]) -> int:
 
   `step` times one step and prints its seconds and the page faults the
   process took meanwhile; `account N` traces N steps and prints their
-  account (`jaxpipe.account.summarise`) as one JSON line. The child's XLA
+  account (`account.summarise` (tools/cpu/account.py)) as one JSON line. The child's XLA
   has one thread per device (`--xla_cpu_multi_thread_eigen=false`) and the
   devices of its configuration; with `dist` in the spec it is one of
   several `jax.distributed` processes (gloo collectives over loopback).
   Its malloc is tuned as train.py's launcher tunes it for a CPU run
-  (`jaxpipe.accel.tune_cpu_malloc`; one arena where it has one device),
+  (`tuning.tune_cpu_malloc`; one arena where it has one device),
   unless its environment chooses, and its backend started as the launcher
   starts it (no loop operation partitioned over the threads where every core runs a
-  device, `jaxpipe.launch.split_cpu_ops`).
+  device, `tuning.split_cpu_ops`).
   """
-  from jaxpipe import accel, launch  # pylint: disable=g-import-not-at-top
+  import tuning  # pylint: disable=g-import-not-at-top
   dist = spec.get("dist")
   devices = 1 if dist else spec["stages"] * spec["data"]
-  accel.tune_cpu_malloc(one_arena=launch.one_malloc_arena(os.environ.get(ARENA_ENV, "auto"),
-                                                          devices))
+  tuning.tune_cpu_malloc(one_arena=tuning.one_malloc_arena(os.environ.get(ARENA_ENV, "auto"),
+                                                            devices))
   os.environ["XLA_FLAGS"] = worker_xla_flags(devices, spec.get("xla_flags", ""),
                                              distributed=bool(dist))
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -114,12 +109,12 @@ def worker(spec: dict[str, Any]) -> int:
     jax.distributed.initialize(coordinator_address=dist["coordinator"],
                                num_processes=dist["num_processes"],
                                process_id=dist["process_id"])
-  # As train.py's launcher starts it (`jaxpipe.launch.start`): no operation
+  # As the CPU tuning starts it (`tuning.backend_started`): no operation
   # split over the threads where every core runs a device.
-  split = launch.split_cpu_ops(os.environ.get(SPLIT_ENV, "auto"), devices, launch.usable_cores())
-  _, new_threads = accel.start_backend(split_ops=split)
+  split = tuning.split_cpu_ops(os.environ.get(SPLIT_ENV, "auto"), devices, tuning.usable_cores())
+  _, new_threads = tuning.start_backend(split_ops=split)
   if dist and os.environ.get(IO_THREAD_ENV) != "normal":
-    launch.idle_io_thread(new_threads, 1, dist["process_id"])  # as train.py's launcher
+    tuning.idle_io_thread(new_threads, 1, dist["process_id"])  # as the CPU tuning does
   shape = ModelShape(**spec["shape"])
   if spec["schedule"] == "ceiling":
     r = CeilingRunner(shape, spec["microbatches"], spec["data"])
@@ -322,7 +317,7 @@ def two_core(shape: ModelShape, vocabs: Sequence[int], num_microbatches: int, *,
   also steps the reference together with a copy of it pinned to the other
   core ('hardware': what the two cores give two processes that share
   nothing). With `account_steps`, each configuration then traces that many
-  steps and accounts for their time (`jaxpipe.account`). Returns (one row
+  steps and accounts for their time (`tools/cpu/account.py`). Returns (one row
   per (vocabulary, configuration) with the median speed-up and its spread,
   {vocabulary: {configuration: account}}). Before timing it waits up to
   `settle_s` for the 1-minute load average to fall below 2.5. `xla_flags`

@@ -6,14 +6,14 @@ product t = x @ x.T of an [n, 8] input, of which it returns the sum of
 t + t.T; XLA's temporary block for it is twice t) is called again and again on one
 CPU device; each call's temporary is malloc'ed and freed by XLA's runtime.
 For each size it runs in a fresh process three times: with glibc's malloc as
-it comes, and as `train.py` sets it for a CPU run (`jaxpipe.accel.tune_cpu_malloc`)
+it comes, and as `train.py` sets it for a CPU run (`tuning.tune_cpu_malloc`, with `run.launch_hooks=tools.cpu.tuning`)
 in a process of one device (one arena for every thread) and of several (an
 arena per thread).
 It prints, per size and setting, the median time of a call and the median
 page faults the process took per call (each a 4 KiB page the kernel zeroed).
 A pipeline step does the same with its buffers (docs/benchmark.md).
 
-  taskset -c 0 .venv/bin/python tools/bench_malloc.py --calls 20
+  taskset -c 0 .venv/bin/python tools/cpu/bench_malloc.py --calls 20
 
 `--memalign` shows, without XLA, why a tuned process's block can land on
 fresh heap for its first few calls (`memalign_walk`).
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from jaxpipe.cli import Parser  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -43,9 +43,9 @@ def worker(size_mib: int, calls: int, mode: str, warmup: int = 12) -> dict:
 
   `mode` is a key of MODES; `warmup` calls come before the timed ones.
   """
-  from jaxpipe import accel  # pylint: disable=g-import-not-at-top
+  import tuning  # pylint: disable=g-import-not-at-top
   one_arena = MODES[mode]
-  applied = None if one_arena is None else accel.tune_cpu_malloc(one_arena=one_arena)
+  applied = None if one_arena is None else tuning.tune_cpu_malloc(one_arena=one_arena)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
   import jax  # pylint: disable=g-import-not-at-top
@@ -101,8 +101,8 @@ def memalign_walk(calls: int) -> list[int]:
   # By hand, through ctypes: no package binds posix_memalign or mallopt, and
   # `tune_cpu_malloc` sets nothing where GLIBC_TUNABLES is set (the cache-off run).
   libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-  from jaxpipe import accel  # pylint: disable=g-import-not-at-top
-  for param, value in {**accel.CPU_MALLOC, **accel.ONE_ARENA}.values():
+  import tuning  # pylint: disable=g-import-not-at-top
+  for param, value in {**tuning.CPU_MALLOC, **tuning.ONE_ARENA}.values():
     libc.mallopt(param, value)
   libc.malloc.argtypes, libc.malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p
   libc.free.argtypes = (ctypes.c_void_p,)

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """What users see: `train.py`'s own `step_time_s`, two stages on two cores against one device on one.
 
-  python tools/bench_train_steps.py          # byte vocabulary, 2bw 1f1b gpipe, 6 rounds
-  python tools/bench_train_steps.py --tokenizer gpt2 --rounds 3 --out-md /tmp/train_steps.md
-  python tools/bench_train_steps.py --tokenizer gpt2 run.cpu_malloc_arenas=one   # overrides for every run
+  python tools/cpu/bench_train_steps.py          # byte vocabulary, 2bw 1f1b gpipe, 6 rounds
+  python tools/cpu/bench_train_steps.py --tokenizer gpt2 --rounds 3 --out-md /tmp/train_steps.md
+  JAXPIPE_CPU_ARENAS=one python tools/cpu/bench_train_steps.py --tokenizer gpt2   # the tuning's choices
+  python tools/cpu/bench_train_steps.py run.launch_hooks=   # overrides for every run: here no CPU tuning
 
 Runs `train.py --config configs/tiny.yaml` at the two-core benchmark's shape
 (`model.dim=256 model.n_layers=8 model.n_heads=4 model.n_kv_heads=2
@@ -20,7 +21,7 @@ schedule's. Each round also runs two one-device runs at once, one pinned to
 each core (the hardware row: twice the reference's work in the slower one's
 step time), so that a schedule's speed-up stands beside what the two cores
 give work that shares nothing, measured the same way, and the ceiling:
-the two-core benchmark's worker (`tools/bench_two_core.py`, started as
+the two-core benchmark's worker (`tools/cpu/bench_two_core.py`, started as
 `train.py`'s launcher starts a process) running its one-device step on the
 first core, then, in one process of two devices pinned to both cores, that
 step on each device with nothing exchanged, each for as many steps in a row
@@ -52,7 +53,7 @@ import tempfile
 import time
 from typing import Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,6 +75,10 @@ SCHEDULES = PIPELINED
 FIRST_TIMED = 3
 
 
+# Every run, the reference's too, with the CPU tuning (tools/cpu/tuning.py)
+# that made the two-core figures: train.py applies it when told to.
+HOOKS = "tools.cpu.tuning"
+
 def _command(schedule: str, cores: str, tokenizer: str, steps: int, work: str,
              extra: tuple[str, ...]) -> tuple[list[str], dict[str, str], str]:
   """(argv, environment, run directory) of one pinned `train.py` run."""
@@ -84,7 +89,7 @@ def _command(schedule: str, cores: str, tokenizer: str, steps: int, work: str,
          f"data.tokenizer={tokenizer}", f"data.cache_dir={os.path.join(work, 'cache')}",
          f"pipeline.schedule={schedule}", f"pipeline.stages={stages}",
          f"run.dir={run_dir}", f"run.steps={steps}",
-         f"run.compile_cache={os.path.join(work, 'jax-cache')}", *extra]
+         f"run.compile_cache={os.path.join(work, 'jax-cache')}", f"run.launch_hooks={HOOKS}", *extra]
   env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", JAX_PLATFORMS="cpu")
   return cmd, env, run_dir
 
@@ -277,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   p.add_argument("--out-md", default=None, help="write the markdown table here")
   p.add_argument("overrides", nargs="*",
                  help="config overrides (KEY=VALUE) for every run, the reference's too, "
-                      "e.g. run.cpu_malloc_arenas=one")
+                      "e.g. run.launch_hooks= (no CPU tuning)")
   args = p.parse_args(argv)
   bad_override = [o for o in args.overrides if "=" not in o or o.startswith("=")]
   if bad_override:

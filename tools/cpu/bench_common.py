@@ -1,12 +1,12 @@
 """What the benchmark tools share: the model shape, a compiled schedule to time, the ceiling.
 
-`tools/bench_pipeline.py` (the emulated mesh) and `tools/bench_two_core.py`
+`tools/cpu/bench_pipeline.py` (the emulated mesh) and `tools/cpu/bench_two_core.py`
 (pinned processes on two cores) both import this module and nothing of each
 other's. `Runner` compiles one schedule's step with a fixed random batch;
 `CeilingRunner` is the no-collective ceiling of the two-core measurement:
 every device runs the one-device step on its own data, with nothing
 exchanged. Both time a step (`step`) and account for a traced step's time
-per device and phase (`account`, see `jaxpipe.account`).
+per device and phase (`account`, see `account.py` here).
 """
 
 from __future__ import annotations
@@ -155,11 +155,11 @@ class _Timed:
   def account(self, steps: int) -> dict[str, Any]:
     """The account of `steps` traced steps run back to back, per step on average.
 
-    (`jaxpipe.account.summarise`: each part's mean over the steps after the first.)
+    (`account.summarise`: each part's mean over the steps after the first.)
     """
     import jax  # pylint: disable=g-import-not-at-top
 
-    from jaxpipe import account  # pylint: disable=g-import-not-at-top
+    import account  # pylint: disable=g-import-not-at-top
     with tempfile.TemporaryDirectory(prefix="jaxpipe-trace-") as trace_dir:
       done = account.profile_steps(self._run, jax.block_until_ready, steps, trace_dir)
       result = account.account(account.read_trace(trace_dir), self.compiled.as_text(), done,
@@ -246,8 +246,8 @@ class CeilingRunner(_Timed):
     # is reduced over one.
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data"),
                        check_vma=False)
-    from jaxpipe import accel  # pylint: disable=g-import-not-at-top
-    with accel.compiling():  # as the pipelines' steps are compiled
+    import tuning  # pylint: disable=g-import-not-at-top
+    with tuning.compiling():  # as the pipelines' steps are compiled
       self.compiled = jax.jit(fn, donate_argnums=0).lower(
           self.state, self.tokens, self.targets).compile()
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What this machine's cores give, measured alone: a fixed program on one core, on the other, and on both at once.
 
-  python tools/bench_platform.py                 # 25 rounds, about two and a half minutes
-  python tools/bench_platform.py --rounds 60 --out-md /tmp/platform.md
+  python tools/cpu/bench_platform.py                 # 25 rounds, about two and a half minutes
+  python tools/cpu/bench_platform.py --rounds 60 --out-md /tmp/platform.md
 
 Nothing of jaxpipe runs here. Each round starts the same single-threaded
 program (a NumPy loop of `tanh(a @ b)` on 192 x 192 float32 matrices, one
@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What one collective costs on the CPU: two devices of one process against two gloo processes.
 
-  python tools/bench_collectives.py                     # the two-core benchmark's tick shapes
-  python tools/bench_collectives.py --reps 200 --out-md /tmp/collectives.md
+  python tools/cpu/bench_collectives.py                     # the two-core benchmark's tick shapes
+  python tools/cpu/bench_collectives.py --reps 200 --out-md /tmp/collectives.md
 
 A program that does only collectives, nothing else: each of `ppermute`
 (stage to stage, the pipeline's send), `psum` (an all-reduce) and
@@ -17,7 +17,7 @@ collectives), and twice two `jax.distributed` processes, one device and one
 core each, on loopback (gloo, as in the benchmark's 'x2' rows): with gloo's
 I/O thread at the normal scheduling class, as JAX leaves it, and idle-class,
 as train.py's launcher sets it for a process per core
-(`jaxpipe.launch.idle_io_thread`). Bad input exits with status 2 and one
+(`tuning.idle_io_thread`). Bad input exits with status 2 and one
 line on stderr.
 """
 
@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_common import free_port, two_cores
@@ -53,16 +53,16 @@ def _worker(spec: dict) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxpipe import accel, launch  # pylint: disable=g-import-not-at-top
+  import tuning  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   if dist:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=dist["coordinator"], num_processes=2,
                                process_id=dist["process_id"])
-  devices, new_threads = accel.start_backend()
+  devices, new_threads = tuning.start_backend()
   mesh = Mesh(np.array(devices[:2]), ("stage",))
   if dist and dist.get("idle_io"):
-    launch.idle_io_thread(new_threads, 1, dist["process_id"])  # as train.py's launcher
+    tuning.idle_io_thread(new_threads, 1, dist["process_id"])  # as the CPU tuning does
   split = NamedSharding(mesh, P("stage"))
   bodies = {"ppermute": lambda x: jax.lax.ppermute(x, "stage", [(0, 1), (1, 0)]),
             "psum": lambda x: jax.lax.psum(x, "stage"),
@@ -94,7 +94,7 @@ def _run(cores: tuple[str, str], reps: int, processes: bool, idle_io: bool = Fal
   """{op | payload: [q1, median, q3] microseconds}, one process or two.
 
   `idle_io`: the two processes run gloo's I/O thread idle-class, as train.py
-  does for a process per core (`jaxpipe.launch.idle_io_thread`).
+  does for a process per core (`tuning.idle_io_thread`).
   """
   me = os.path.abspath(__file__)
   if processes:

@@ -1,6 +1,6 @@
 """The benchmark's report: its tables, the speed-up targets it checks, the sweep plot, the machine.
 
-`tools/bench_pipeline.py` measures; this formats what it measured.
+`tools/cpu/bench_pipeline.py` measures; this formats what it measured.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ _GROUPS = (("forward", ("forward",)), ("backward", ("backward",)),
 
 
 def account_tables(accounts: dict[str, Any]) -> str:
-  """Markdown: where each configuration's step went, per device, in ms (`jaxpipe.account`).
+  """Markdown: where each configuration's step went, per device, in ms (`tools/cpu/account.py`).
 
   The first table gives compute by phase, time in collectives (moving data,
   and waiting for the other devices to arrive), idle time inside the step and
@@ -118,7 +118,7 @@ def transfers_table(accounts: dict[str, Any]) -> str:
 
   Count / KiB: for `collective-permute` what the device sent (point to
   point), for the other kinds the size of their result on the device
-  (`jaxpipe.account.hlo_transfers`); means over the traced steps.
+  (`account.hlo_transfers` (tools/cpu/account.py)); means over the traced steps.
   """
   kinds = sorted({k for acc in accounts.values()
                   for per in acc.get("transfers", {}).values() for k in per})
