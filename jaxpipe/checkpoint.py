@@ -241,6 +241,13 @@ class Checkpointer:
     state = jax.tree.map(lambda t, x: t if _is_empty(t) else x, template, state)
     return state, dict(out["data"]), dict(out["meta"])
 
+  def has_fields_of(self, step: int, template: Any) -> bool:
+    """Whether checkpoint `step`'s state has the fields of `template` (a NamedTuple state), no more, no fewer."""
+    saved = self._saved_tree(step)
+    saved = saved[0] if saved_pair(saved) else saved
+    fields = getattr(template, "_fields", None)
+    return fields is None or not isinstance(saved, Mapping) or set(saved) == set(fields)
+
   def _saved_tree(self, step: int) -> Any:
     """Checkpoint `step`'s saved tree (orbax's metadata: shapes, no arrays)."""
     return saved_state(self.directory, step, "delete it to resume from an earlier one")[0]

@@ -17,13 +17,14 @@ without.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
 import re
 import sys
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol
+from typing import Any, ContextManager, Mapping, Optional, Protocol
 
 from jaxpipe import _watchdog
 from jaxpipe import accel
@@ -33,7 +34,7 @@ from jaxpipe.errors import ConfigError
 
 __all__ = ["prepare_devices", "start", "check_devices", "local_devices_needed",
            "distributed_settings", "local_device_ids", "watch_peers", "Hooks", "hooks",
-           "compile_scope"]
+           "schedule_options"]
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -45,6 +46,8 @@ class Hooks(Protocol):
   backend is not); `backend_starting()` just before and `backend_started(cfg,
   devices, num_processes, process_id)` just after JAX starts its backend
   (`jax.distributed` joined, if it is a run of several processes);
+  `schedule_options(name, options)` the `ScheduleOptions` a schedule of that
+  name is built with, from the config's (`jaxpipe.launch.schedule_options`);
   `compile_scope()` a context the training step compiles in.
   """
 
@@ -52,6 +55,7 @@ class Hooks(Protocol):
   def backend_starting(self) -> None: ...
   def backend_started(self, cfg: Config, devices: list, num_processes: int,
                       process_id: int) -> None: ...
+  def schedule_options(self, name: str, options: Any) -> Any: ...
   def compile_scope(self) -> ContextManager: ...
 
 
@@ -77,9 +81,20 @@ def _call(cfg: Config, name: str, *args: Any) -> None:
     fn(*args)
 
 
-def compile_scope(cfg: Config) -> Optional[Callable[[], ContextManager]]:
-  """The `compile_scope` of `run.launch_hooks`' module, or None (compile as XLA will)."""
-  return getattr(hooks(cfg), "compile_scope", None)
+def schedule_options(cfg: Config, name: str, options: Any) -> Any:
+  """`options` (a `jaxpipe.pipeline.ScheduleOptions`) as `run.launch_hooks`' module has them.
+
+  Its `schedule_options(name, options)` where it has one, and its
+  `compile_scope` as the options' own; without hooks, `options` unchanged.
+  """
+  module = hooks(cfg)
+  if module is None:
+    return options
+  if hasattr(module, "schedule_options"):
+    options = module.schedule_options(name, options)
+  if hasattr(module, "compile_scope"):
+    options = dataclasses.replace(options, compile_scope=module.compile_scope)
+  return options
 
 
 def distributed_settings(cfg: Config) -> tuple[str, int, int]:

@@ -329,11 +329,17 @@ def _restore(run: Run, ckpt: Checkpointer, decision: Decision, state: Any):
   the schedule saves are read into their shardings here; what it does not
   save (2bw's in-flight state) it recomputes (`Schedule.resume`). An older
   checkpoint that holds 2bw's in-flight arrays too is read the same way:
-  they are left on disk and recomputed, bit for bit where they are read.
+  they are left on disk and recomputed, bit for bit where they are read; so
+  is a flushed schedule's checkpoint written with its stash rings in the
+  state or without them, whichever this run keeps.
   """
   cfg, schedule, step = run.cfg, run.schedule, decision.latest
   keep = schedule.saved_fields(state)
-  if not decision.relayout and all(jax.tree.leaves(keep)):  # the whole state, as saved
+  # The whole state, as saved: one restore of the tree. A checkpoint of other
+  # fields (a flushed schedule's, written with its stash rings in the state,
+  # `ScheduleOptions.rings_in_state`) is read array by array below.
+  if (not decision.relayout and all(jax.tree.leaves(keep))
+      and ckpt.has_fields_of(step, state)):
     state, data_state, _ = ckpt.restore(step, state)
     return state, data_state
   shapes = ckpt.saved_shapes(step)

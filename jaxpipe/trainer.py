@@ -181,7 +181,8 @@ def schedule_from_config(cfg: Config, fns: StageFns, optimizer: Any, mesh: jax.s
   pipeline.stash, pipeline.virtual_stages, mesh.shard_optimizer,
   mesh.expert_parallel, pipeline.head (`config.vocab_parallel`) and
   optimizer.weight_prediction (gradients at `optim.predicted_params`) give
-  the options. `schedule`, `stash` and `virtual_stages` ask for another
+  the options, and `run.launch_hooks` may change them
+  (`jaxpipe.launch.schedule_options`). `schedule`, `stash` and `virtual_stages` ask for another
   schedule, stash choice or chunk count than the config's.
   """
   p = cfg.pipeline
@@ -196,8 +197,8 @@ def schedule_from_config(cfg: Config, fns: StageFns, optimizer: Any, mesh: jax.s
                             shard_optimizer=cfg.mesh.shard_optimizer,
                             expert_parallel=cfg.mesh.expert_parallel,
                             vocab_parallel=config_lib.vocab_parallel(cfg.model, p),
-                            predict=predict,
-                            compile_scope=launch.compile_scope(cfg))
+                            predict=predict)
+  options = launch.schedule_options(cfg, name, options)
   return make_schedule(name, fns, optimizer, mesh, p.microbatches, options)
 
 

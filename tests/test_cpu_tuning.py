@@ -19,6 +19,7 @@ import pytest
 
 from jaxpipe import accel, config as config_lib, launch
 from jaxpipe.errors import ConfigError
+from jaxpipe.pipeline import ScheduleOptions
 from tests import _runs
 from tools.cpu import tuning
 
@@ -28,7 +29,8 @@ HOOKS = "run.launch_hooks=tools.cpu.tuning"
 @pytest.fixture
 def clean_state(monkeypatch):
   """The tuning's per-process state, restored after the test."""
-  monkeypatch.setattr(tuning, "_STATE", {"threads_before": set(), "compile_cores": None})
+  monkeypatch.setattr(tuning, "_STATE",
+                      {"threads_before": set(), "compile_cores": None, "cpu": False})
 
 
 def test_the_package_imports_no_cpu_tuning():
@@ -49,7 +51,8 @@ def test_the_package_imports_no_cpu_tuning():
 def test_no_hooks_by_default_and_a_bad_module_is_one_line():
   cfg = config_lib.load(_runs.TINY)
   assert cfg.run.launch_hooks == "" and launch.hooks(cfg) is None
-  assert launch.compile_scope(cfg) is None
+  opts = ScheduleOptions()
+  assert launch.schedule_options(cfg, "gpipe", opts) is opts
   assert launch.hooks(config_lib.load(_runs.TINY, [HOOKS])) is tuning
   with pytest.raises(ConfigError, match=r"^run.launch_hooks=tools.cpu.nope: cannot import it: "
                                         r".*tools.cpu.tuning is in a clone"):
@@ -79,7 +82,8 @@ def test_the_launch_calls_the_hooks_in_order(monkeypatch):
   launch.prepare_devices(cfg)
   launch.start(cfg)
   assert calls == [("prepare", 2), ("starting",), ("started", len(jax.devices()), 1, 0)]
-  assert launch.compile_scope(cfg) is tuning.compile_scope
+  assert launch.schedule_options(cfg, "1f1b", ScheduleOptions()).compile_scope \
+      is tuning.compile_scope
 
 
 def test_prepare_tunes_malloc_on_cpus_only(monkeypatch):

@@ -1,5 +1,6 @@
 """Nothing lost: exact resume for every kind of state, kills mid-save, the NaN guard, bad input."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ PIPE = {
             "optimizer.error_feedback=1"],
     "1f1b": ["pipeline.schedule=1f1b", "pipeline.stages=2", "pipeline.microbatches=4",
              "optimizer.name=adamw"],
-    # Its stash rings are state that no checkpoint holds (`FlushedState`).
+    # Split backward, two stash rings (state with `rings_in_state`: below).
     "zb1": ["pipeline.schedule=zb1", "pipeline.stages=2", "pipeline.microbatches=4",
             "pipeline.stash=residuals", "optimizer.name=adamw"],
 }
@@ -44,8 +45,8 @@ def _params(summary):
 
 # none resumes through the same code with less state; test_resume.py resumes
 # it on another mesh, and 2bw after kills at any moment and test_train.py after
-# SIGTERM, bit for bit in every loss. zb1 (as gpipe) restores all but its
-# rings, which the resumed run makes afresh.
+# SIGTERM, bit for bit in every loss. A flushed schedule whose rings are
+# state restores all but them, which the resumed run makes afresh (below).
 @pytest.mark.parametrize("name", ["1f1b", "zb1"])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, cache, name):
   """Stop after 3 steps, resume to 6: same losses and final parameters, bit for bit."""
@@ -200,3 +201,31 @@ def test_bad_data_exits_2_naming_the_file(tmp_path, cache, dataset, how):
   assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
   assert path in lines[0] and (name is None or name in lines[0])
   assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("first,then", [(True, False), (False, True)],
+                         ids=["rings-then-none", "none-then-rings"])
+def test_a_flushed_run_resumes_whether_or_not_its_rings_are_state(tmp_path, cache, monkeypatch,
+                                                                  first, then):
+  """A gpipe checkpoint written with its stash rings in the state (the CPU tuning's
+  `rings_in_state`) resumes without them, and the other way round: the losses of
+  the run that never stopped, bit for bit."""
+  from jaxpipe import launch  # pylint: disable=g-import-not-at-top
+  args = ("pipeline.schedule=gpipe", "pipeline.stages=2", "pipeline.microbatches=4",
+          "optimizer.name=adamw", "checkpoint.every=3")
+
+  def rings(on):
+    monkeypatch.setattr(launch, "schedule_options",
+                        lambda cfg, name, o: dataclasses.replace(o, rings_in_state=on))
+
+  rings(False)
+  _train(str(tmp_path / "whole"), "run.steps=6", *args)
+  half = str(tmp_path / "half")
+  rings(first)
+  first_run = _train(half, "run.steps=3", *args)
+  assert type(first_run["state"]).__name__ == ("FlushedState" if first else "SyncState")
+  rings(then)
+  resumed = _train(half, "run.steps=6", *args)
+  assert resumed["start_step"] == 3
+  assert type(resumed["state"]).__name__ == ("FlushedState" if then else "SyncState")
+  assert _runs.train_losses(half) == _runs.train_losses(str(tmp_path / "whole"))

@@ -78,7 +78,8 @@ class FlushedState(NamedTuple):
       before it reads it); they are state so that a step neither allocates
       nor zero-fills them (on CPUs a step's block of over 64 MiB is mapped
       afresh, and faulted in, at every step). A checkpoint leaves them out.
-      1f1b and interleaved make theirs in each step (`keeps_rings`).
+      With `ScheduleOptions.rings_in_state` only; otherwise a step makes
+      its rings and the state is a `SyncState`.
   """
   step: jax.Array
   params: Tree
@@ -235,7 +236,7 @@ class Schedule:
                num_microbatches: int, *, stash: str = "inputs", shard_optimizer: bool = True,
                expert_parallel: bool = True, vocab_parallel: bool = True,
                predict: Optional[Any] = None, virtual_stages: int = 1,
-               overlap_sends: Optional[bool] = None,
+               overlap_sends: Optional[bool] = None, rings_in_state: bool = False,
                compile_scope: Optional[Callable[[], Any]] = None):
     if not vocab_parallel:
       # The shared parameters whole on every stage: the embedding is used on
@@ -244,6 +245,7 @@ class Schedule:
                                                  is_leaf=lambda a: a is None))
     self.vocab_parallel = vocab_parallel
     self.compile_scope = compile_scope or contextlib.nullcontext
+    self.rings_in_state = rings_in_state
     self.fns, self.opt, self.mesh = fns, optimizer, mesh
     self.shard_optimizer = shard_optimizer
     self.predict = predict

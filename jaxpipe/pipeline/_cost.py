@@ -313,7 +313,7 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
       # weight use its input and its output cotangent (`SplitStage`).
       w_entry = SplitStage(fns.stage).w_stash_shapes(prepared, x_like)[1]
       ring += (plan.w_slots + 1) * _nbytes(w_entry)
-    # gpipe and zb1 keep their rings in the state (`FlushedState`);
+    # With `rings_in_state` the rings are state (`FlushedState`);
     # `_state_terms` leaves that field to this term.
     step.append(MemoryTerm("stash", "stash ring (slots x entry; zb1: and W's ring)", ring,
                            "state" if sched.keeps_rings else "step"))

@@ -76,6 +76,15 @@ class ScheduleOptions:
   on where the mesh's devices are not CPUs, on which a collective is a
   barrier and one exchange per tick is faster."""
 
+  rings_in_state: bool = False
+  """gpipe, 1f1b, zb1 and interleaved: the stash rings carried in the state
+  from step to step (`FlushedState`) instead of made by each step. They hold
+  nothing a later step reads (a checkpoint leaves them out), so this moves
+  memory between the state and the step's temporaries and computes the
+  same; the CPU tuning (tools/cpu/tuning.py) turns it on for gpipe and zb1,
+  whose step-local rings a CPU's malloc mapped and faulted in afresh every
+  step. Ignored by 2bw and pipedream, whose stash is state anyway."""
+
   compile_scope: Optional[Callable[[], Any]] = None
   """A function returning the context manager each compilation of the step
   runs in (its first call of each kind, `StepProgram.compile`), e.g. the

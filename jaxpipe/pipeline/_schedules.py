@@ -102,7 +102,7 @@ class _Pipelined(Schedule):
   """Shared machinery of the pipelined schedules (shard_map programs)."""
 
   # Whether the state keeps the stash rings from step to step (`FlushedState`).
-  keeps_rings = False
+  keeps_rings = property(lambda self: False)
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
@@ -213,10 +213,12 @@ class _Pipelined(Schedule):
 class _OneVersion(_Pipelined):
   """gpipe, 1f1b, zb1 and interleaved: one weight version, a flush every step.
 
-  Where `keeps_rings`, the stash rings stay in the state (`FlushedState`)
-  from step to step; elsewhere the state is a `SyncState` (the layout of
-  their checkpoints before) and a step makes its rings.
+  With `ScheduleOptions.rings_in_state`, the stash rings stay in the state
+  (`FlushedState`) from step to step; otherwise the state is a `SyncState`
+  and a step makes its rings.
   """
+
+  keeps_rings = property(lambda self: self.rings_in_state)
 
   def _init_fn(self, params, *, batch_shape, token_dtype):
     params = self._pad(params)
@@ -259,10 +261,6 @@ class GPipe(_OneVersion):
   """
 
   name = "gpipe"
-  # Its ring of M+1 slots made the step's temporaries a block a thread's
-  # malloc arena cannot hold (76 MiB on the benchmark's shape, S=2, M=8),
-  # mapped and faulted in afresh every step on CPUs; kept, 32 MiB.
-  keeps_rings = True
 
 
 class OneFOneB(_OneVersion):
@@ -285,13 +283,6 @@ class ZeroBubbleH1(_OneVersion):
   """
 
   name = "zb1"
-  # Its two rings made the step's temporaries 85 MiB on the benchmark's
-  # shape (S=2, M=8), mapped and faulted in afresh every step on CPUs; kept,
-  # 35 MiB. (1f1b's and interleaved's stay in their steps: kept, XLA copied
-  # 1f1b's at the tick loops' ends, its step growing from 154 to 236 MB
-  # under XLA's default CPU order; interleaved's step, under 64 MiB of
-  # temporaries either way, was no faster.)
-  keeps_rings = True
 
 
 class Interleaved(_OneVersion):

@@ -12,6 +12,8 @@ Not part of jaxpipe: a module of launch hooks (`jaxpipe.launch.Hooks`) that
 - compiles the training step with every thread of the process on one core
   where every core runs a device (`compiling`), so that XLA's CPU compiler
   partitions no loop operation over threads that another device keeps busy;
+- carries gpipe's and zb1's stash rings in the state (`schedule_options`),
+  so that a step does not map and fault in a large block afresh;
 - puts gloo's I/O thread in Linux's idle class in a run of several
   processes with a core per device (`idle_io_thread`).
 
@@ -42,7 +44,7 @@ SPLIT_CHOICES = ("auto", "always", "never")
 # What the hooks learnt between prepare and backend_started: the threads
 # before JAX's backend started, and the cores compilation is pinned to
 # (None: XLA compiles as it will). One process, one launch.
-_STATE: dict[str, Any] = {"threads_before": set(), "compile_cores": None}
+_STATE: dict[str, Any] = {"threads_before": set(), "compile_cores": None, "cpu": False}
 
 
 # --- the hooks (jaxpipe.launch.Hooks) -------------------------------------------
@@ -64,7 +66,8 @@ def backend_started(cfg: Any, devices: list, num_processes: int, process_id: int
   """After: compilation pinned where every core runs a device; gloo's thread idle-class."""
   del cfg
   new_threads = thread_ids() - _STATE["threads_before"]
-  if not devices or devices[0].platform != "cpu":
+  _STATE["cpu"] = bool(devices) and devices[0].platform == "cpu"
+  if not _STATE["cpu"]:
     return
   import jax  # pylint: disable=g-import-not-at-top
   local = len(jax.local_devices())
@@ -78,6 +81,24 @@ def backend_started(cfg: Any, devices: list, num_processes: int, process_id: int
 def compile_scope():
   """The context the training step compiles in (`compiling`)."""
   return compiling()
+
+
+# gpipe's ring of M+1 slots made its step's temporaries a block a thread's
+# malloc arena cannot hold (76 MiB on the benchmark's shape, S=2, M=8), and
+# zb1's two rings 85 MiB: mapped and faulted in afresh every step. Kept in
+# the state, 32 and 35 MiB. (1f1b's and interleaved's stay in their steps:
+# kept, XLA copied 1f1b's at the tick loops' ends, its step growing from 154
+# to 236 MB under XLA's default CPU order; interleaved's step, under 64 MiB
+# of temporaries either way, was no faster.)
+RINGS_IN_STATE = ("gpipe", "zb1")
+
+
+def schedule_options(name: str, options: Any) -> Any:
+  """On CPUs, gpipe's and zb1's stash rings carried in the state (`RINGS_IN_STATE`)."""
+  if _STATE.get("cpu") and name in RINGS_IN_STATE:
+    import dataclasses  # pylint: disable=g-import-not-at-top
+    return dataclasses.replace(options, rings_in_state=True)
+  return options
 
 
 def _choice(env: str, choices: tuple[str, ...]) -> str:
