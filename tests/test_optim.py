@@ -732,7 +732,7 @@ def test_schedule_wsd_default_is_one_minus_sqrt():
 # --------------------------------------------------------------------------
 # the user guide's snippet and the docstring examples run
 
-@pytest.mark.parametrize("module", ["_wrappers", "_optimizers"])
+@pytest.mark.parametrize("module", ["_wrappers", "_optimizers", "_muon"])
 def test_docstring_examples_run(module):
   mod = importlib.import_module(f"jaxpipe.optim.{module}")
   result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)

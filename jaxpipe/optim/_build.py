@@ -10,6 +10,7 @@ import optax
 
 from jaxpipe.optim import _adan
 from jaxpipe.optim import _mars
+from jaxpipe.optim import _muon
 from jaxpipe.optim import _normuon
 from jaxpipe.optim import _optimizers
 from jaxpipe.optim import _prediction
@@ -189,7 +190,7 @@ def make_optimizer(
       if cfg.name == "normuon":
         opt = _normuon.normuon(lr, neuron_b2=cfg.normuon_b2, **shared)
       else:
-        opt = _optimizers.muon(lr, **shared)
+        opt = _muon.muon(lr, **shared)
   elif cfg.name == "soap":
     opt = _soap.soap(
         lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd,
