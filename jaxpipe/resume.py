@@ -99,10 +99,12 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
   """Lists `key: saved -> current` for every differing key not in `allowed`.
 
   A key the saved config lacks (written before the key existed) counts as
-  its default value.
+  its default value; one it holds under an older name (written before the
+  key moved, `config.MOVED_KEYS`) counts under today's (`config.upgrade_saved`).
   """
   defaults = flatten_dict(config_lib.to_dict(config_lib.Config()))
-  a, b = {**defaults, **flatten_dict(saved)}, flatten_dict(current)
+  a = {**defaults, **flatten_dict(config_lib.upgrade_saved(saved))}
+  b = flatten_dict(current)
   diffs = []
   for key in sorted(set(a) | set(b)):
     if key in allowed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import typing
 from typing import Any, Callable, Sequence
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from jaxpipe.optim import _config
 from jaxpipe.optim import _optimizers
 
 __all__ = ["NS_COEFFS", "POLAR_EXPRESS_COEFFS", "muon", "orthogonalised_momentum",
@@ -63,7 +65,8 @@ def _at_scaled_input(coeffs: Sequence[float], s: float) -> tuple[float, ...]:
 POLAR_EXPRESS_COEFFS = tuple(
     _at_scaled_input(c, _POLAR_EXPRESS_SAFETY)
     for c in _POLAR_EXPRESS_PAPER[:-1]) + (_POLAR_EXPRESS_PAPER[-1],)
-_NS_PRESETS = ("jordan", "polar_express")
+# The names `ns_coeffs` takes, as the config's `optimizer.muon.ns_coeffs` does.
+_NS_PRESETS: tuple[str, ...] = typing.get_args(_config.NsCoeffs)
 
 
 def _ns_schedule(ns_coeffs: str | Sequence[Any], ns_steps: int) -> Any:
