@@ -6,8 +6,16 @@ file, applies overrides such as `optimizer.lr=3e-4`, rejects unknown keys and
 mistyped values with a `ConfigError` that names the key, and checks the
 arithmetic between sections (layers per stage, microbatch sizes). Each layer
 owns its section's dataclass where it has one (`ModelConfig` is the model's,
-`jaxpipe/model/_config.py`); this module composes them. It imports no JAX,
+`jaxpipe/model/_config.py`, `OptimizerConfig` the optimizers',
+`jaxpipe/optim/_config.py`); this module composes them. It imports no JAX,
 so tools can read configs cheaply.
+
+A section may hold sections (`model.moe`, `optimizer.muon`): YAML nests
+them, an override names them with dots (`optimizer.muon.ns_steps=6`), and
+each level's keys and `Literal` choices are checked as the top level's are.
+A key that moved (`optimizer.mars_gamma`, now `optimizer.mars.gamma`) is
+refused in one line naming its new place (`MOVED_KEYS`); a config that a
+run saved before the move is read in the new keys (`upgrade_saved`).
 """
 
 from __future__ import annotations
@@ -23,6 +31,10 @@ import yaml
 from jaxpipe.errors import ConfigError
 # The model owns its section, its choices and its checks; this module composes the sections.
 from jaxpipe.model import DTYPE_NAMES, ModelConfig, MoEConfig, validate as validate_model
+# The optimizers' section, their choices and checks, read without JAX (as the model's).
+from jaxpipe.optim import (ADAN_FORMS, LR_SCHEDULES, MOVED as OPTIMIZER_MOVED, NS_PRESETS,
+                           OPTIMIZERS, OptimizerConfig, saved_section,
+                           validate as validate_optimizer)
 # The pipeline's choices and rules, read without JAX (its plans are plain Python).
 from jaxpipe.pipeline import (LAYOUTS, PIPELINED, SCHEDULE_NAMES, Layout, ScheduleName, StashMode,
                               experts_split, min_microbatches, vocab_parallel as split_vocab)
@@ -32,26 +44,38 @@ __all__ = [
     "MeshConfig", "OptimizerConfig", "CheckpointConfig", "EvalConfig",
     "DistConfig", "Config", "SCHEDULES", "load", "from_dict", "to_dict", "experts_split",
     "OPTIMIZERS", "LR_SCHEDULES", "NAN_POLICIES", "ADAN_FORMS", "NS_PRESETS", "apply_overrides",
-    "validate", "profile_window", "kill_point", "KILL_MOMENTS",
+    "validate", "profile_window", "kill_point", "KILL_MOMENTS", "MOVED_KEYS", "upgrade_saved",
     "MESH_LAYOUTS", "device_ids", "vocab_parallel", "HEAD_CHOICES",
 ]
 
-# The config's own choices; the pipeline's and the model's are theirs, imported above.
+# The config's own choices; the pipeline's, the model's and the optimizers' are theirs,
+# imported above.
 Head = Literal["auto", "vocab_parallel", "last_stage"]
-OptimizerName = Literal["adamw", "muon", "lion", "adan", "sgd", "mars", "normuon", "soap"]
-LrSchedule = Literal["constant", "cosine", "wsd"]
 NanPolicy = Literal["skip", "stop"]
-AdanForm = Literal["paper", "optax"]
-NsCoeffs = Literal["jordan", "polar_express"]
 
 SCHEDULES = SCHEDULE_NAMES
 MESH_LAYOUTS = LAYOUTS
 HEAD_CHOICES: tuple[str, ...] = typing.get_args(Head)
-OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
-LR_SCHEDULES: tuple[str, ...] = typing.get_args(LrSchedule)
 NAN_POLICIES: tuple[str, ...] = typing.get_args(NanPolicy)
-ADAN_FORMS: tuple[str, ...] = typing.get_args(AdanForm)
-NS_PRESETS: tuple[str, ...] = typing.get_args(NsCoeffs)
+
+# Keys that moved, by their old dotted name, and where each went: a config
+# or an override that gives one is refused in one line naming the new key;
+# a saved config has them replaced (`upgrade_saved`). Each section's owner
+# lists its own.
+MOVED_KEYS: dict[str, tuple[str, ...]] = {
+    f"optimizer.{old}": tuple(f"optimizer.{new}" for new in targets)
+    for old, targets in OPTIMIZER_MOVED.items()}
+# The CPU tuning's keys, now the environment of its launch hooks
+# (tools/cpu/tuning.py): a saved config drops them (they changed how a run
+# ran on a CPU, never what it computed).
+_CPU_TUNING = "with run.launch_hooks=tools.cpu.tuning"
+MOVED_KEYS.update({
+    "run.cpu_malloc_arenas": (f"the environment variable JAXPIPE_CPU_ARENAS {_CPU_TUNING}",),
+    "run.cpu_split_ops": (f"the environment variable JAXPIPE_CPU_SPLIT_OPS {_CPU_TUNING}",),
+    "dist.idle_io_thread": (f"the environment variable JAXPIPE_CPU_IO_THREAD (=normal: off) "
+                            f"{_CPU_TUNING}",),
+})
+DROPPED_WHEN_SAVED = ("run.cpu_malloc_arenas", "run.cpu_split_ops", "dist.idle_io_thread")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,43 +152,6 @@ class MeshConfig:
   # across nodes, each node's data all-reduce inside it; only activations
   # cross nodes) or data (replicas across nodes, the pipeline inside a node).
   layout: Layout = "stage"
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  name: OptimizerName = "adamw"  # muon, normuon and mars keep an AdamW group
-  lr: float = 3e-3               # peak learning rate (Muon: of the hidden matrices)
-  adam_lr: float = 0.0           # muon, normuon, mars: rate of their AdamW group; 0 = lr
-  weight_decay: float = 0.1      # decoupled; never applied to norms and biases
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  momentum: float = 0.95         # Muon momentum
-  nesterov: bool = True          # Muon Nesterov momentum
-  ns_steps: int = 5              # Muon Newton-Schulz iterations
-  ns_coeffs: NsCoeffs = "jordan" # Newton-Schulz quintics (polar_express: one per step)
-  normuon_b2: float = 0.95       # NorMuon: decay of the per-output-neuron second moment
-  mars_gamma: float = 0.025      # MARS: c = g + gamma * b1/(1-b1) * (g - g_prev)
-  mars_b1: float = 0.95          # MARS moments on matrices; b1, b2: its AdamW on norms
-  mars_b2: float = 0.99
-  lion_b1: float = 0.9           # Lion: interpolation of the update direction (Chen et al.: 0.9)
-  lion_b2: float = 0.99          # Lion: momentum decay (Chen et al.: 0.99)
-  adan_b1: float = 0.98          # Adan, optax's convention: b = 1 - the Adan paper's beta;
-  adan_b2: float = 0.92          #   the paper's defaults (0.02, 0.08, 0.01)
-  adan_b3: float = 0.99
-  adan_form: AdanForm = "paper"  # paper (the Adan paper's update) | optax (optax.adan: difference weighted 1 - b2)
-  precondition_frequency: int = 10  # SOAP: steps between eigenbasis refreshes (paper: 10)
-  shampoo_beta: float = 0.95     # SOAP: decay of its factors L, R (paper: = b2, 0.95)
-  max_precond_dim: int = 10000   # SOAP: a matrix side longer than this is not rotated (paper: 10000)
-  schedule: LrSchedule = "cosine"  # learning rate; wsd = warmup-stable-decay
-  warmup_steps: int = 0
-  min_lr_ratio: float = 0.1      # final lr of cosine / wsd as a fraction of lr
-  decay_fraction: float = 0.2    # wsd: share of the steps spent decaying
-  clip_norm: float = 1.0         # global gradient-norm clip; 0 = off
-  delay: int = 0                 # simulated gradient delay in steps (schedule=none only)
-  error_feedback: float = 0.0    # correction coefficient c; 0 = off
-  ef_dtype: str = ""             # dtype of the correction buffer; "" = the parameters'
-  weight_prediction: float = 0.0  # horizon s: gradients at w + s * (last update) (schedule none only); 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,12 +292,21 @@ def _corrected(parts: Sequence[str], schema: Mapping[str, Any]) -> str | None:
   return None if isinstance(schema, Mapping) else ".".join(out)
 
 
+def _refuse_moved(dotted: str) -> None:
+  """Raises the one-line ConfigError naming where a moved key went; nothing for other keys."""
+  targets = MOVED_KEYS.get(dotted)
+  if targets:
+    raise ConfigError(f"{dotted} moved: it is {' or '.join(targets)}")
+
+
 def _build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
+  """A `cls` from a mapping of its fields, sections built in turn (`prefix` names them)."""
   hints = typing.get_type_hints(cls)
   names = [f.name for f in dataclasses.fields(cls)]
   kwargs = {}
   for key, value in values.items():
     if key not in hints:
+      _refuse_moved(prefix + key)
       where = prefix[:-1] or "the top level"
       near = _closest(key, names)
       hint = f" (did you mean '{prefix}{near}'?)" if near else ""
@@ -349,6 +345,7 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     if "=" not in item:
       raise ConfigError(f"override '{item}' is not of the form section.key=value")
     dotted, text = item.split("=", 1)
+    _refuse_moved(dotted.strip())
     parts = dotted.strip().split(".")
     node, schema = tree, valid
     for depth, part in enumerate(parts):
@@ -379,6 +376,26 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 def from_dict(tree: Mapping[str, Any] | None) -> Config:
   """Builds a typed `Config` from nested mappings; missing keys take defaults."""
   return _build(Config, tree or {})
+
+
+def upgrade_saved(tree: Mapping[str, Any] | None) -> dict[str, Any]:
+  """A config as a run saved it (config.yaml, a checkpoint's meta), in today's keys.
+
+  For configs that jaxpipe wrote, never for a user's: a run saved before a
+  key moved (`MOVED_KEYS`) must still resume, compare, export and sample,
+  while a user who gives an old key is told its new name. Each section's
+  owner says where its keys went (`jaxpipe.optim.saved_section`); the CPU
+  tuning's keys are dropped (`DROPPED_WHEN_SAVED`). The result is a new
+  dict; `tree` is left as it is.
+  """
+  out = dict(tree or {})
+  if isinstance(out.get("optimizer"), Mapping):
+    out["optimizer"] = saved_section(out["optimizer"])
+  for dotted in DROPPED_WHEN_SAVED:
+    section, key = dotted.split(".")
+    if isinstance(out.get(section), Mapping) and key in out[section]:
+      out[section] = {k: v for k, v in out[section].items() if k != key}
+  return out
 
 
 def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
@@ -492,7 +509,10 @@ def validate(cfg: Config) -> None:
   _validate_run_and_data(cfg)
   validate_model(cfg.model)
   _validate_pipeline(cfg)
-  _validate_optimizer(cfg.optimizer)
+  validate_optimizer(cfg.optimizer)
+  # The dtype names are the model's, which the optimizers' section does not import.
+  _check(cfg.optimizer.ef_dtype in ("", *DTYPE_NAMES),
+         f"optimizer.ef_dtype must be empty, {_or(DTYPE_NAMES)}; got '{cfg.optimizer.ef_dtype}'")
   _validate_checkpoint_eval_dist(cfg)
 
 
@@ -564,32 +584,6 @@ def _validate_pipeline(cfg: Config) -> None:
            f"model.moe.num_experts={m.moe.num_experts} is not divisible by mesh.data="
            f"{cfg.mesh.data}: expert parallelism gives each replica an equal share; choose "
            "another mesh.data or set mesh.expert_parallel=false")
-
-
-def _validate_optimizer(o: OptimizerConfig) -> None:
-  """optimizer.*: choices, rates, decays and the correction knobs."""
-  _check(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
-  _check(o.delay >= 0, f"optimizer.delay must be >= 0, got {o.delay}")
-  _check(o.error_feedback >= 0, f"optimizer.error_feedback must be >= 0, got {o.error_feedback}")
-  _check(o.weight_prediction >= 0,
-         f"optimizer.weight_prediction must be >= 0, got {o.weight_prediction}")
-  for key in ("lion_b1", "lion_b2", "adan_b1", "adan_b2", "adan_b3"):
-    _check(0.0 <= getattr(o, key) < 1.0, f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
-  _check(o.ef_dtype in ("", *DTYPE_NAMES),
-         f"optimizer.ef_dtype must be empty, {_or(DTYPE_NAMES)}; got '{o.ef_dtype}'")
-  _check(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
-  _check(0.0 <= o.decay_fraction <= 1.0, f"optimizer.decay_fraction must be in [0, 1], got {o.decay_fraction}")
-  _check(o.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
-  _check(o.clip_norm >= 0, f"optimizer.clip_norm must be >= 0, got {o.clip_norm}")
-  # A negative decoupled decay grows the weights every step instead of shrinking them.
-  _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
-  for key in ("normuon_b2", "mars_b1", "mars_b2"):
-    _check(0.0 <= getattr(o, key) < 1.0, f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
-  _check(o.mars_gamma >= 0, f"optimizer.mars_gamma must be >= 0, got {o.mars_gamma}")
-  _check(o.precondition_frequency >= 1,
-         f"optimizer.precondition_frequency must be >= 1, got {o.precondition_frequency}")
-  _check(0.0 <= o.shampoo_beta < 1.0, f"optimizer.shampoo_beta must be in [0, 1), got {o.shampoo_beta}")
-  _check(o.max_precond_dim >= 0, f"optimizer.max_precond_dim must be >= 0, got {o.max_precond_dim}")
 
 
 def _validate_checkpoint_eval_dist(cfg: Config) -> None:

@@ -82,9 +82,6 @@ RESUMABLE_KEYS = frozenset({
     # the launch hooks (the CPU tuning: how the host runs it, not what).
     "run.deterministic", "run.compile_cache", "dist.local_device_ids", "mesh.layout",
     "run.launch_hooks",
-    # Keys of earlier releases (the CPU tuning's, now tools/cpu/tuning.py's
-    # environment): a checkpoint that has them resumes.
-    "run.cpu_malloc_arenas", "run.cpu_split_ops", "dist.idle_io_thread",
     # When a run of several processes gives up on a lost one.
     "dist.heartbeat_timeout_s", "dist.init_timeout_s", "dist.shutdown_timeout_s",
     "dist.step_timeout_s", "dist.save_timeout_s",
@@ -101,10 +98,12 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
   """Lists `key: saved -> current` for every differing key not in `allowed`.
 
   A key the saved config lacks (written before the key existed) counts as
-  its default value.
+  its default value; one it holds under an older name (written before the
+  key moved, `config.MOVED_KEYS`) counts under today's (`config.upgrade_saved`).
   """
   defaults = flatten_dict(config_lib.to_dict(config_lib.Config()))
-  a, b = {**defaults, **flatten_dict(saved)}, flatten_dict(current)
+  a = {**defaults, **flatten_dict(config_lib.upgrade_saved(saved))}
+  b = flatten_dict(current)
   diffs = []
   for key in sorted(set(a) | set(b)):
     if key in allowed:

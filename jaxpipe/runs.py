@@ -77,7 +77,8 @@ def _read_config(run_dir: str) -> Config:
     raise InputError(f"{path}: unreadable ({type(e).__name__})") from None
   if not isinstance(tree, dict):
     raise InputError(f"{path}: expected a mapping of config sections")
-  return config_lib.from_dict(tree)
+  # Saved by the run, perhaps before a key moved: read in today's keys.
+  return config_lib.from_dict(config_lib.upgrade_saved(tree))
 
 
 def _reader(ckpt_dir: str):

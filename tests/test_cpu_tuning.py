@@ -69,6 +69,24 @@ def test_train_py_refuses_hooks_it_cannot_import_in_one_line(tmp_path):
   assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
+@pytest.mark.parametrize("old,new", [("run.cpu_malloc_arenas=one", "JAXPIPE_CPU_ARENAS"),
+                                     ("run.cpu_split_ops=never", "JAXPIPE_CPU_SPLIT_OPS"),
+                                     ("dist.idle_io_thread=false", "JAXPIPE_CPU_IO_THREAD")])
+def test_the_old_cpu_keys_name_their_variables_and_saved_configs_drop_them(old, new):
+  """A user's old key: one line naming the variable; a run's saved config with it still compares."""
+  from jaxpipe import resume  # pylint: disable=g-import-not-at-top
+  key, value = old.split("=")
+  with pytest.raises(ConfigError, match=rf"^{re.escape(key)} moved: it is .*{new}.*"
+                                        r"run.launch_hooks=tools.cpu.tuning"):
+    config_lib.load(_runs.TINY, [old])
+  cfg = config_lib.load(_runs.TINY)
+  saved = config_lib.to_dict(cfg)
+  section, name = key.split(".")
+  saved[section] = {**saved[section], name: value}
+  assert resume.config_differences(saved, config_lib.to_dict(cfg), allowed=frozenset()) == []
+  assert config_lib.from_dict(config_lib.upgrade_saved(saved)) == cfg
+
+
 def test_the_launch_calls_the_hooks_in_order(monkeypatch):
   """prepare (after XLA_FLAGS), backend_starting, backend_started; compile_scope reaches the schedule."""
   calls = []

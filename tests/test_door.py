@@ -58,7 +58,7 @@ def test_every_docstring_reads_as_written():
   assert "jaxpipe.optim" in modules and "jaxpipe.cli.prepare_data" in modules, modules
   for name in modules:
     docs.update(_public_docs(importlib.import_module(name)))
-  assert "jaxpipe.optim._optimizers.scale_by_muon" in docs
+  assert "jaxpipe.optim._muon.scale_by_muon" in docs
   assert bad_docstrings(docs) == []
 
 

@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxpipe import optim
 from jaxpipe.config import OptimizerConfig
+from jaxpipe.optim import SgdConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-6, atol=1e-7)
@@ -681,7 +682,7 @@ def test_build_muon_adam_lr_and_ef_dtype():
 
 def test_build_plain_config_is_just_the_optimizer():
   cfg = OptimizerConfig(name="sgd", clip_norm=0.0, schedule="constant",
-                        momentum=0.9, lr=0.1, weight_decay=0.0)
+                        sgd=SgdConfig(momentum=0.9), lr=0.1, weight_decay=0.0)
   state = optim.make_optimizer(cfg, 5).init(jnp.zeros(2))
   assert not isinstance(state, (optim.DelayState, optim.ErrorFeedbackState))
   with pytest.raises(ValueError):
@@ -732,7 +733,7 @@ def test_schedule_wsd_default_is_one_minus_sqrt():
 # --------------------------------------------------------------------------
 # the user guide's snippet and the docstring examples run
 
-@pytest.mark.parametrize("module", ["_wrappers", "_optimizers"])
+@pytest.mark.parametrize("module", ["_wrappers", "_optimizers", "_muon"])
 def test_docstring_examples_run(module):
   mod = importlib.import_module(f"jaxpipe.optim.{module}")
   result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -17,6 +17,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from jaxpipe import optim
 from jaxpipe.config import OptimizerConfig
+from jaxpipe.optim import AdanConfig, LionConfig, MarsConfig, MuonConfig, NorMuonConfig
 from jaxpipe.config import load as load_config
 from jaxpipe.errors import ConfigError
 from jaxpipe.optim import _optimizers
@@ -422,18 +423,19 @@ def test_build_matches_factories_with_the_config_betas():
   params, grads = _hand_case()
   common = dict(lr=0.01, schedule="constant", clip_norm=0.0, weight_decay=0.05)
   cases = [
-      (OptimizerConfig(name="mars", mars_gamma=0.05, mars_b1=0.9,
-                       mars_b2=0.98, **common),
+      (OptimizerConfig(name="mars", mars=MarsConfig(gamma=0.05, b1=0.9, b2=0.98),
+                       **common),
        optim.mars(0.01, gamma=0.05, b1=0.9, b2=0.98, weight_decay=0.05)),
-      (OptimizerConfig(name="normuon", ns_coeffs="polar_express",
-                       normuon_b2=0.9, **common),
+      (OptimizerConfig(name="normuon", muon=MuonConfig(ns_coeffs="polar_express"),
+                       normuon=NorMuonConfig(b2=0.9), **common),
        optim.normuon(0.01, ns_coeffs="polar_express", neuron_b2=0.9,
                      weight_decay=0.05)),
   ]
   cases += [
-      (OptimizerConfig(name="lion", lion_b1=0.95, lion_b2=0.98, **common),
+      (OptimizerConfig(name="lion", lion=LionConfig(b1=0.95, b2=0.98), **common),
        optim.lion(0.01, b1=0.95, b2=0.98, weight_decay=0.05)),
-      (OptimizerConfig(name="adan", adan_b1=0.9, adan_b2=0.8, adan_b3=0.999, eps=1e-6, **common),
+      (OptimizerConfig(name="adan", adan=AdanConfig(b1=0.9, b2=0.8, b3=0.999), eps=1e-6,
+                       **common),
        optim.adan(0.01, b1=0.9, b2=0.8, b3=0.999, eps=1e-6, weight_decay=0.05)),
   ]
   for cfg, tx in cases:
@@ -444,17 +446,17 @@ def test_build_matches_factories_with_the_config_betas():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("optimizer.ns_coeffs=newton", "optimizer.ns_coeffs"),
-    ("optimizer.mars_b1=1.0", "optimizer.mars_b1"),
-    ("optimizer.normuon_b2=-0.1", "optimizer.normuon_b2"),
-    ("optimizer.mars_gamma=-1", "optimizer.mars_gamma"),
-    ("optimizer.lion_b1=1.0", "optimizer.lion_b1"),
-    ("optimizer.adan_b3=-0.5", "optimizer.adan_b3"),
+    ("optimizer.muon.ns_coeffs=newton", "optimizer.muon.ns_coeffs"),
+    ("optimizer.mars.b1=1.0", "optimizer.mars.b1"),
+    ("optimizer.normuon.b2=-0.1", "optimizer.normuon.b2"),
+    ("optimizer.mars.gamma=-1", "optimizer.mars.gamma"),
+    ("optimizer.lion.b1=1.0", "optimizer.lion.b1"),
+    ("optimizer.adan.b3=-0.5", "optimizer.adan.b3"),
 ])
 def test_config_rejects_bad_optimizer_keys(override, key):
   with pytest.raises(ConfigError, match=key):
     load_config(None, ["optimizer.name=mars", override])
-  assert load_config(None, ["optimizer.name=normuon"]).optimizer.ns_coeffs == (
+  assert load_config(None, ["optimizer.name=normuon"]).optimizer.muon.ns_coeffs == (
       "jordan")
 
 

@@ -17,6 +17,7 @@ from optax.contrib import MuonDimensionNumbers
 from jaxpipe import config as config_lib
 from jaxpipe import optim
 from jaxpipe.config import OptimizerConfig
+from jaxpipe.optim import SoapConfig
 from jaxpipe.errors import ConfigError
 from jaxpipe.optim import _soap
 
@@ -396,8 +397,8 @@ def test_delay_and_error_feedback_compose():
 def test_build_and_config_keys():
   cfg = OptimizerConfig(name="soap", lr=0.01, schedule="constant",
                         warmup_steps=0, clip_norm=0.0, weight_decay=0.1,
-                        precondition_frequency=2, shampoo_beta=0.9,
-                        max_precond_dim=2)
+                        soap=SoapConfig(precondition_frequency=2, shampoo_beta=0.9,
+                                        max_precond_dim=2))
   params = _f32({"w": _normal(1, (3, 2)), "norm": {"scale": _normal(2, (2,))}})
   grads = [_f32(jax.tree.map(lambda x, s=s: _normal(90 + s, x.shape), params))
            for s in range(3)]
@@ -410,14 +411,14 @@ def test_build_and_config_keys():
       assert_close(x, y)
   assert soap_state(states[-1]).q_l["w"].shape == (0, 0)
 
-  defaults = OptimizerConfig()
+  defaults = OptimizerConfig().soap
   assert (defaults.precondition_frequency, defaults.shampoo_beta,
           defaults.max_precond_dim) == (10, 0.95, 10000)
   assert config_lib.load(None, ["optimizer.name=soap"]).optimizer.name == "soap"
   for bad in ("precondition_frequency=0", "shampoo_beta=1.0",
               "max_precond_dim=-1"):
     with pytest.raises(ConfigError, match=bad.split("=")[0]):
-      config_lib.load(None, ["optimizer.name=soap", f"optimizer.{bad}"])
+      config_lib.load(None, ["optimizer.name=soap", f"optimizer.soap.{bad}"])
 
 
 def test_multisteps_and_partition():

@@ -20,84 +20,51 @@ pipelines, so other JAX projects can use it on its own.
   the other correction, gradients taken at extrapolated weights.
 - `learning_rate_schedule(cfg, total_steps)` and `make_optimizer(cfg, total_steps)`:
   the whole chain from a config, `delay(error_feedback(clip + optimizer))`.
+- `OptimizerConfig`: that config (`optimizer:` in a run's YAML), one
+  subsection per optimizer (`MuonConfig`, `LionConfig`, ...). It is plain
+  dataclasses: importing it, or this package, does not start JAX; the
+  optimizers load on first use of their names.
 
 Reference: Zmushko et al., "One-Step Gradient Delay is Not a Barrier for
 Large-Scale Asynchronous Pipeline Parallel LLM Pretraining", arXiv 2606.30634,
 2026.
 """
 
-from jaxpipe.optim._build import make_optimizer
-from jaxpipe.optim._build import learning_rate_schedule
-from jaxpipe.optim._adan import adan
-from jaxpipe.optim._adan import AdanState
-from jaxpipe.optim._adan import scale_by_adan
-from jaxpipe.optim._grouping import EMBEDDING_NAMES
-from jaxpipe.optim._grouping import HEAD_NAMES
-from jaxpipe.optim._grouping import param_kinds
-from jaxpipe.optim._grouping import param_labels
-from jaxpipe.optim._grouping import ROUTER_NAMES
-from jaxpipe.optim._grouping import VECTOR_NAMES
-from jaxpipe.optim._grouping import weight_decay_mask
-from jaxpipe.optim._mars import mars
-from jaxpipe.optim._mars import mars_labels
-from jaxpipe.optim._mars import scale_by_mars
-from jaxpipe.optim._mars import ScaleByMarsState
-from jaxpipe.optim._normuon import normuon
-from jaxpipe.optim._normuon import scale_by_neuron_rms
-from jaxpipe.optim._normuon import ScaleByNeuronRmsState
-from jaxpipe.optim._optimizers import adamw
-from jaxpipe.optim._optimizers import lion
-from jaxpipe.optim._optimizers import muon
-from jaxpipe.optim._optimizers import NS_COEFFS
-from jaxpipe.optim._optimizers import POLAR_EXPRESS_COEFFS
-from jaxpipe.optim._optimizers import scale_by_muon
-from jaxpipe.optim._optimizers import sgd
-from jaxpipe.optim._prediction import predicted_params
-from jaxpipe.optim._prediction import PredictionState
-from jaxpipe.optim._prediction import weight_prediction
-from jaxpipe.optim._soap import scale_by_soap
-from jaxpipe.optim._soap import ScaleBySoapState
-from jaxpipe.optim._soap import soap
-from jaxpipe.optim._wrappers import delay
-from jaxpipe.optim._wrappers import DelayState
-from jaxpipe.optim._wrappers import error_feedback
-from jaxpipe.optim._wrappers import ErrorFeedbackState
+import importlib
 
-__all__ = [
-    "AdanState",
-    "DelayState",
-    "EMBEDDING_NAMES",
-    "ErrorFeedbackState",
-    "HEAD_NAMES",
-    "NS_COEFFS",
-    "POLAR_EXPRESS_COEFFS",
-    "PredictionState",
-    "ROUTER_NAMES",
-    "ScaleByMarsState",
-    "ScaleByNeuronRmsState",
-    "ScaleBySoapState",
-    "VECTOR_NAMES",
-    "adamw",
-    "adan",
-    "delay",
-    "error_feedback",
-    "learning_rate_schedule",
-    "lion",
-    "make_optimizer",
-    "mars",
-    "mars_labels",
-    "muon",
-    "normuon",
-    "param_kinds",
-    "param_labels",
-    "predicted_params",
-    "scale_by_adan",
-    "scale_by_mars",
-    "scale_by_muon",
-    "scale_by_neuron_rms",
-    "scale_by_soap",
-    "sgd",
-    "soap",
-    "weight_decay_mask",
-    "weight_prediction",
-]
+from jaxpipe.optim._config import (ADAN_FORMS, LR_SCHEDULES, MOVED, NS_PRESETS, OPTIMIZERS,
+                                   AdanConfig, AdanForm, LionConfig, LrSchedule, MarsConfig,
+                                   MuonConfig, NorMuonConfig, NsCoeffs, OptimizerConfig,
+                                   OptimizerName, SgdConfig, SoapConfig, saved_section, validate)
+
+_LAZY = {
+    "make_optimizer": "_build", "learning_rate_schedule": "_build",
+    "adan": "_adan", "AdanState": "_adan", "scale_by_adan": "_adan",
+    "EMBEDDING_NAMES": "_grouping", "HEAD_NAMES": "_grouping", "param_kinds": "_grouping",
+    "param_labels": "_grouping", "ROUTER_NAMES": "_grouping", "VECTOR_NAMES": "_grouping",
+    "weight_decay_mask": "_grouping",
+    "mars": "_mars", "mars_labels": "_mars", "scale_by_mars": "_mars",
+    "ScaleByMarsState": "_mars",
+    "normuon": "_normuon", "scale_by_neuron_rms": "_normuon",
+    "ScaleByNeuronRmsState": "_normuon",
+    "muon": "_muon", "NS_COEFFS": "_muon", "POLAR_EXPRESS_COEFFS": "_muon",
+    "scale_by_muon": "_muon",
+    "adamw": "_optimizers", "lion": "_optimizers", "sgd": "_optimizers",
+    "predicted_params": "_prediction", "PredictionState": "_prediction",
+    "weight_prediction": "_prediction",
+    "scale_by_soap": "_soap", "ScaleBySoapState": "_soap", "soap": "_soap",
+    "delay": "_wrappers", "DelayState": "_wrappers", "error_feedback": "_wrappers",
+    "ErrorFeedbackState": "_wrappers",
+}
+
+__all__ = sorted([
+    "ADAN_FORMS", "LR_SCHEDULES", "MOVED", "NS_PRESETS", "OPTIMIZERS", "AdanConfig",
+    "AdanForm", "LionConfig", "LrSchedule", "MarsConfig", "MuonConfig", "NorMuonConfig",
+    "NsCoeffs", "OptimizerConfig", "OptimizerName", "SgdConfig", "SoapConfig",
+    "saved_section", "validate", *_LAZY])
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(importlib.import_module(f"jaxpipe.optim.{_LAZY[name]}"), name)
+  raise AttributeError(f"module 'jaxpipe.optim' has no attribute {name!r}")

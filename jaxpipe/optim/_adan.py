@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpipe.optim import _config
 from jaxpipe.optim import _optimizers
 
 __all__ = ["AdanState", "adan", "scale_by_adan"]
-
-ADAN_FORMS = ("paper", "optax")
 
 
 class AdanState(NamedTuple):
@@ -132,8 +131,8 @@ def adan(
     Xie et al., `Adan: Adaptive Nesterov Momentum Algorithm for Faster
     Optimizing Deep Models <https://arxiv.org/abs/2208.06677>`_, 2022
   """
-  if form not in ADAN_FORMS:
-    raise ValueError(f"adan form must be one of {', '.join(ADAN_FORMS)}, got {form!r}")
+  if form not in _config.ADAN_FORMS:
+    raise ValueError(f"adan form must be one of {', '.join(_config.ADAN_FORMS)}, got {form!r}")
   mask = _optimizers.mask_or_default(weight_decay_mask)
   if form == "optax":
     inner = optax.adan(learning_rate, b1=b1, b2=b2, b3=b3, eps=eps, weight_decay=weight_decay,

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import optax
 
 from jaxpipe.optim import _adan
 from jaxpipe.optim import _mars
+from jaxpipe.optim import _muon
 from jaxpipe.optim import _normuon
 from jaxpipe.optim import _optimizers
 from jaxpipe.optim import _prediction
 from jaxpipe.optim import _soap
 from jaxpipe.optim import _wrappers
+from jaxpipe.optim._config import OptimizerConfig
 
-if TYPE_CHECKING:
-  from jaxpipe.config import OptimizerConfig
-
-__all__ = ["build", "learning_rate_schedule"]
+__all__ = ["make_optimizer", "learning_rate_schedule"]
 
 WSD_SHAPES = ("1-sqrt", "linear")
 
@@ -125,16 +123,17 @@ def make_optimizer(
     schedule has the same shape with peak `cfg.adam_lr` (0 = `cfg.lr`);
   - clip: `optax.clip_by_global_norm(cfg.clip_norm)` over the whole tree
     (0 = off);
-  - optimizer by `cfg.name`: `adamw` and Muon's AdamW group use `b1`, `b2`,
-    `eps`; `muon` uses `momentum`, `nesterov`, `ns_steps`, `ns_coeffs`;
-    `normuon` those and `normuon_b2`; `mars` uses `mars_gamma`, `mars_b1`,
-    `mars_b2` on its matrices and `b1`, `b2` on norms and biases (muon,
-    normuon and mars take `adam_lr` for their AdamW group); `sgd` uses
-    `momentum` and `nesterov`; `soap` uses `b1`, `b2`, `eps` (both its
-    groups, one rate), `shampoo_beta`, `precondition_frequency` and
-    `max_precond_dim`; `lion` takes `lion_b1`, `lion_b2` and `adan`
-    `adan_b1`, `adan_b2`, `adan_b3` (their meaning differs from Adam's),
-    `adan_form` and `eps`. All take `weight_decay` with the default decay mask;
+  - optimizer by `cfg.name`, each with its own section: `adamw` and the
+    AdamW groups use the flat `b1`, `b2`, `eps`; `muon` uses `cfg.muon`
+    (`momentum`, `nesterov`, `ns_steps`, `ns_coeffs`); `normuon` that and
+    `cfg.normuon.b2`; `mars` uses `cfg.mars` (`gamma`, `b1`, `b2`) on its
+    matrices (muon, normuon and mars take `adam_lr` for their AdamW group);
+    `sgd` uses `cfg.sgd` (`momentum`, `nesterov`); `soap` uses `b1`, `b2`,
+    `eps` (both its groups, one rate) and `cfg.soap`
+    (`precondition_frequency`, `shampoo_beta`, `max_precond_dim`); `lion`
+    takes `cfg.lion` (`b1`, `b2`) and `adan` `cfg.adan` (`b1`, `b2`, `b3`,
+    whose meaning differs from Adam's, and `form`) and `eps`. All take
+    `weight_decay` with the default decay mask;
   - error feedback with c = `cfg.error_feedback` (0 = off), its buffer in
     `cfg.ef_dtype` ("" = the params' dtype);
   - weight prediction with horizon s = `cfg.weight_prediction` (0 = off):
@@ -154,7 +153,7 @@ def make_optimizer(
   parameter-sized buffer for error feedback and `cfg.delay` gradient buffers.
 
   Args:
-    cfg: a `jaxpipe.config.OptimizerConfig`.
+    cfg: an `OptimizerConfig` (`jaxpipe.config`'s `optimizer` section).
     total_steps: updates the learning-rate schedule spans (`run.steps`).
 
   Returns:
@@ -177,32 +176,33 @@ def make_optimizer(
           dataclasses.replace(cfg, lr=cfg.adam_lr), total_steps)
     if cfg.name == "mars":
       opt = _mars.mars(
-          lr, adam_learning_rate=adam_lr, gamma=cfg.mars_gamma,
-          b1=cfg.mars_b1, b2=cfg.mars_b2, adam_b1=cfg.b1, adam_b2=cfg.b2,
+          lr, adam_learning_rate=adam_lr, gamma=cfg.mars.gamma,
+          b1=cfg.mars.b1, b2=cfg.mars.b2, adam_b1=cfg.b1, adam_b2=cfg.b2,
           eps=cfg.eps, weight_decay=wd)
     else:
+      m = cfg.muon
       shared = dict(
-          adam_learning_rate=adam_lr, momentum=cfg.momentum,
-          nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-          ns_coeffs=cfg.ns_coeffs, weight_decay=wd, b1=cfg.b1, b2=cfg.b2,
+          adam_learning_rate=adam_lr, momentum=m.momentum,
+          nesterov=m.nesterov, ns_steps=m.ns_steps,
+          ns_coeffs=m.ns_coeffs, weight_decay=wd, b1=cfg.b1, b2=cfg.b2,
           eps=cfg.eps)
       if cfg.name == "normuon":
-        opt = _normuon.normuon(lr, neuron_b2=cfg.normuon_b2, **shared)
+        opt = _normuon.normuon(lr, neuron_b2=cfg.normuon.b2, **shared)
       else:
-        opt = _optimizers.muon(lr, **shared)
+        opt = _muon.muon(lr, **shared)
   elif cfg.name == "soap":
     opt = _soap.soap(
         lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd,
-        shampoo_beta=cfg.shampoo_beta,
-        precondition_frequency=cfg.precondition_frequency,
-        max_precond_dim=cfg.max_precond_dim)
+        shampoo_beta=cfg.soap.shampoo_beta,
+        precondition_frequency=cfg.soap.precondition_frequency,
+        max_precond_dim=cfg.soap.max_precond_dim)
   elif cfg.name == "lion":
-    opt = _optimizers.lion(lr, b1=cfg.lion_b1, b2=cfg.lion_b2, weight_decay=wd)
+    opt = _optimizers.lion(lr, b1=cfg.lion.b1, b2=cfg.lion.b2, weight_decay=wd)
   elif cfg.name == "adan":
-    opt = _adan.adan(lr, b1=cfg.adan_b1, b2=cfg.adan_b2, b3=cfg.adan_b3, eps=cfg.eps,
-                     weight_decay=wd, form=cfg.adan_form)
+    opt = _adan.adan(lr, b1=cfg.adan.b1, b2=cfg.adan.b2, b3=cfg.adan.b3, eps=cfg.eps,
+                     weight_decay=wd, form=cfg.adan.form)
   elif cfg.name == "sgd":
-    opt = _optimizers.sgd(lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+    opt = _optimizers.sgd(lr, momentum=cfg.sgd.momentum, nesterov=cfg.sgd.nesterov,
                           weight_decay=wd)
   else:
     raise ValueError(f"unknown optimizer {cfg.name!r}; expected adamw, muon, "

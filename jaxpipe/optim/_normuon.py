@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from jaxpipe.optim import _muon
 from jaxpipe.optim import _optimizers
 
 __all__ = ["ScaleByNeuronRmsState", "normuon", "scale_by_neuron_rms"]
@@ -191,7 +192,7 @@ def normuon(
 
   dims_fn = _optimizers.dims_fn_of(dimension_numbers)
   matrix = optax.chain(
-      _optimizers.orthogonalised_momentum(
+      _muon.orthogonalised_momentum(
           dims_fn, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
           ns_coeffs=ns_coeffs, eps=eps, mu_dtype=mu_dtype),
       scale_by_neuron_rms(dims_fn, b2=neuron_b2, eps=eps),

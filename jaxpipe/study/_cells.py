@@ -265,7 +265,8 @@ def cell_state(cell: Cell, config_path: str) -> str:
     raise StudyError(f"{d} is still being trained by process {mine['pid']} (left by an earlier "
                      "invocation); wait for it to finish, or stop it, then run this again")
   want = trajectory_config(config_path, cell.overrides)
-  changed = _diff(mine.get("config", {}), want)
+  # The marker's config was saved by an earlier invocation, perhaps before a key moved.
+  changed = _diff(config_lib.upgrade_saved(mine.get("config", {})), want)
   if changed:
     raise StudyError(f"{d} was trained with another config ({'; '.join(changed[:3])}); "
                      "use another --out, or delete that directory to redo it")
