@@ -2,9 +2,12 @@
 
 This package knows pytrees, stage functions, stacked parameters and meshes; it
 knows nothing of the model or of configs. See `make_schedule` (with its
-`ScheduleOptions`), `step_plan` and `facts`. The plans (`_timetable`) and the
-options are pure Python and NumPy: importing them, or this package, does not
-start JAX; the engine and the schedules load on first use.
+`ScheduleOptions`), `step_plan` and `facts`; what a schedule costs before it
+runs (the planner's `Estimate`: memory, work, traffic, bubbles) is counted by
+`schedule_memory`, `stage_work`, `tick_traffic` and `steady_bubble`. The
+plans (`_timetable`) and the options are pure Python and NumPy: importing
+them, or this package, does not start JAX; the engine, the schedules and the
+estimates load on first use.
 """
 
 import importlib
@@ -29,6 +32,9 @@ _LAZY = {
     "residual_shapes": "_engine",
     "MemoryTerm": "_cost", "PHASES": "_cost", "memory_terms": "_cost", "memory_total": "_cost",
     "stage_tick": "_cost", "flops": "_cost",
+    "Estimate": "_estimate", "ScheduleMemory": "_estimate", "cannot_run": "_estimate",
+    "schedule_memory": "_estimate", "stage_work": "_estimate", "steady_bubble": "_estimate",
+    "tick_traffic": "_estimate",
     "padded_vocab": "_vocab", "pad_vocab": "_vocab", "unpad_vocab": "_vocab",
 }
 
