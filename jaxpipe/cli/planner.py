@@ -219,20 +219,20 @@ def _work_and_traffic(parts: _Parts, work: bool) -> tuple[dict, dict, bool]:
   """(work per stage by stash, traffic per tick, vocab_parallel) of the config's schedule."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import stage_work, step_plan, tick_traffic  # pylint: disable=g-import-not-at-top
+  from jaxpipe import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
   cfg = parts.cfg
   s_, m = cfg.pipeline.stages, cfg.pipeline.microbatches
   vp = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
   if not (s_ > 1 and not _refuses(cfg, cfg.pipeline.schedule)):
     return {}, {}, vp
   name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
-  steps = step_plan(name, s_, m, virtual_stages(cfg, name))
+  steps = pipeline_lib.step_plan(name, s_, m, virtual_stages(cfg, name))
   tokens = jax.ShapeDtypeStruct((parts.batch_shape[1] // cfg.mesh.data, cfg.data.seq_len),
                                 jnp.int32)
-  traffic = tick_traffic(parts.fns, parts.params, steps, tokens, stash=cfg.pipeline.stash,
-                         vocab_parallel=vp)
-  work_per_stage = (stage_work(parts.fns, parts.params, steps, tokens, vocab_parallel=vp)
-                    if work else {})
+  traffic = pipeline_lib.tick_traffic(parts.fns, parts.params, steps, tokens,
+                                      stash=cfg.pipeline.stash, vocab_parallel=vp)
+  work_per_stage = (pipeline_lib.stage_work(parts.fns, parts.params, steps, tokens,
+                                             vocab_parallel=vp) if work else {})
   return work_per_stage, traffic, vp
 
 

@@ -63,7 +63,7 @@ def _all_finite(tree: Tree) -> jax.Array:
 
 
 class Schedule(Placement):
-  """Base class: the optimizer step with its NaN guard, jitting, resuming; shardings from `Placement`."""
+  """Base class: the guarded optimizer step, jitting, padding, resuming; shardings: `Placement`."""
 
   name = "base"
   loss_lag = 0
