@@ -3,7 +3,7 @@
 On the benchmark's small shapes (docs/benchmark.md: width 256, 8 blocks,
 2 stages, 8 microbatches of 2 x 64 tokens), for every pipelined schedule
 (interleaved with v = 2 chunks of 2 blocks per device; M is a multiple of
-S) and both stash choices, the planner's total per device (`Plan.total`, the sum of
+S) and both stash choices, the planner's total per device (`Estimate.total`, the sum of
 the terms each schedule counts, `jaxpipe.pipeline._cost.memory_terms`) is
 within 10% of XLA's resident bytes per device (arguments + outputs - aliased
 + temporaries) of the same step compiled on the emulated devices.

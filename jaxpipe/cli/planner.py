@@ -17,6 +17,9 @@ schedule itself, as named terms, from the plan it executes and the shapes of
 the model's stage functions (`jaxpipe.pipeline.memory_terms`);
 docs/accelerators.md and docs/benchmark.md compare the total with XLA's
 analysis of the compiled step (`--compile` prints both and the difference).
+The models are the pipeline's (`jaxpipe.pipeline.schedule_memory`,
+`stage_work`, `tick_traffic`, `steady_bubble`, gathered in an `Estimate`):
+this command builds their inputs from the config and prints what they say.
 
 For the config's S stages, D data replicas and M microbatches it prints a
 table with a column per schedule and stash choice (`none` is the whole model
@@ -43,7 +46,7 @@ import json
 import os
 import sys
 import types
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from jaxpipe import accel
 from jaxpipe import config as config_lib
@@ -51,6 +54,9 @@ from jaxpipe import launch
 from jaxpipe.cli import Parser
 from jaxpipe.errors import ConfigError, InputError
 from jaxpipe.pipeline import SCHEDULE_NAMES, STASH_MODES
+
+if TYPE_CHECKING:  # its module loads JAX, which main() configures first
+  from jaxpipe.pipeline import Estimate
 
 SCHEDULES, STASHES = SCHEDULE_NAMES, STASH_MODES
 # Interleaved's chunks per device in the table when the config's schedule is
@@ -80,16 +86,6 @@ ROWS = (
 )
 
 
-def steady_bubble(schedule: str, num_stages: int, num_microbatches: int,
-                  virtual_stages: int = 1) -> Optional[float]:
-  """Idle share of a steady-state step, from the engine's plan (None: invalid)."""
-  from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
-  try:
-    return facts(schedule, num_stages, num_microbatches, virtual_stages).bubble
-  except ValueError:
-    return None
-
-
 def virtual_stages(cfg: config_lib.Config, schedule: str) -> int:
   """v for `schedule` in the plan: the config's for interleaved, else VIRTUAL_STAGES; 1 for the rest."""
   if schedule != "interleaved":
@@ -100,15 +96,10 @@ def virtual_stages(cfg: config_lib.Config, schedule: str) -> int:
 
 def _refuses(cfg: config_lib.Config, schedule: str) -> bool:
   """Whether `schedule` cannot run the config's S, M (and layers, for interleaved's chunks)."""
-  from jaxpipe.pipeline import check_virtual_stages, min_microbatches  # pylint: disable=g-import-not-at-top
-  s_, m, v = cfg.pipeline.stages, cfg.pipeline.microbatches, virtual_stages(cfg, schedule)
-  if schedule == "none":
-    return False
-  try:
-    check_virtual_stages(schedule, s_, m, v)
-  except ValueError:
-    return True
-  return m < min_microbatches(schedule, s_, v) or cfg.model.n_layers % (s_ * v) != 0
+  from jaxpipe.pipeline import cannot_run  # pylint: disable=g-import-not-at-top
+  p = cfg.pipeline
+  return cannot_run(schedule, p.stages, p.microbatches, virtual_stages(cfg, schedule),
+                    cfg.model.n_layers)
 
 
 def resolve_vocab(cfg: config_lib.Config) -> config_lib.Config:
@@ -133,11 +124,6 @@ def resolve_vocab(cfg: config_lib.Config) -> config_lib.Config:
     raise ConfigError(f"model.vocab_size=0 takes the vocabulary from the data, which cannot "
                       f"be read ({e}); set model.vocab_size=N to plan without it") from None
   return trainer.resolve_model(cfg, types.SimpleNamespace(vocab_size=vocab, tokenizer=tokenizer))
-
-
-def _bytes(tree: Any) -> int:
-  import jax  # pylint: disable=g-import-not-at-top
-  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _split_opt_state(nbytes: Any) -> dict[str, int]:
@@ -165,103 +151,6 @@ def _split_opt_state(nbytes: Any) -> dict[str, int]:
 
 
 @dataclasses.dataclass
-class Plan:
-  """Per-device memory and per-stage work of every schedule for one config.
-
-  Attributes:
-    cfg: the resolved config.
-    num_params: parameters of the whole model.
-    stage_params: parameters one pipeline device holds per weight version
-      (its L/S blocks with 1/D of their experts under expert parallelism,
-      its 1/S of the (padded) vocabulary rows and columns, the final norm).
-    terms: {schedule: {stash: [MemoryTerm, ...]}}: the named terms of the
-      schedule's memory per device (`jaxpipe.pipeline.memory_terms`);
-      None where the schedule refuses the config (2bw with M < 2(S-1)).
-      `none` has one stash entry, 'inputs' (it has no stages).
-    work: {stash: [FLOPs of one steady-state tick (a forward and a backward
-      of one microbatch) of stage s, s = 0..S-1]}, counted from the stage's
-      own program (`jaxpipe.pipeline._cost`); {} without stages.
-    bubble: {schedule: steady-state idle share, or None}.
-    warnings: one line each.
-    traffic: bytes one device sends in a steady tick of the config's
-      schedule, by kind ('point_to_point', 'head', 'embedding':
-      `Engine.traffic`); {} without stages.
-    vocab_parallel: whether the embedding and head are split over the
-      stages (`pipeline.head`).
-    checkpoint: {schedule: {stash: (bytes a checkpoint's state holds, bytes
-      of the whole state)}}, over the whole mesh (`Schedule.checkpointed`:
-      2bw's in-flight arrays are recomputed at resume, not saved); None
-      where the schedule refuses the config.
-    facts: `jaxpipe.pipeline.facts` of the config's schedule (ticks, bubble,
-      stash slots, transfers, ...), as a dict; None where it refuses.
-  """
-  cfg: config_lib.Config
-  num_params: int
-  stage_params: int
-  terms: dict[str, dict[str, Optional[list]]]
-  work: dict[str, list[float]]
-  bubble: dict[str, Optional[float]]
-  warnings: list[str]
-  traffic: dict[str, float] = dataclasses.field(default_factory=dict)
-  vocab_parallel: bool = True
-  checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = dataclasses.field(
-      default_factory=dict)
-  facts: Optional[dict[str, Any]] = None
-
-  @property
-  def bytes(self) -> dict[str, dict[str, Optional[dict[str, int]]]]:
-    """{schedule: {stash: {term key: bytes per device, 'ticks': the tick terms' sum}}}."""
-    def row(terms):
-      if terms is None:
-        return None
-      out = {t.key: t.nbytes for t in terms}
-      out["ticks"] = sum(t.nbytes for t in terms if t.phase == "ticks")
-      return out
-    return {n: {st: row(ts) for st, ts in by.items()} for n, by in self.terms.items()}
-
-  def total(self, schedule: str, stash: Optional[str] = None) -> Optional[int]:
-    """Bytes per device of a schedule (with the config's stash choice by default).
-
-    The state, what lives through the step, and the larger of one tick's
-    working set and the update's temporaries (`jaxpipe.pipeline.memory_total`).
-    """
-    from jaxpipe.pipeline import memory_total  # pylint: disable=g-import-not-at-top
-    stash = stash or (self.cfg.pipeline.stash if schedule != "none" else "inputs")
-    terms = self.terms[schedule].get(stash if schedule != "none" else "inputs")
-    return None if terms is None else memory_total(terms)
-
-  def balance(self, stash: Optional[str] = None) -> Optional[float]:
-    """The slowest stage's work per tick over the mean stage's (1.0 is even)."""
-    work = self.work.get(stash or self.cfg.pipeline.stash)
-    if not work:
-      return None
-    return max(work) / (sum(work) / len(work))
-
-
-def _tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float]:
-  """FLOPs of the busiest tick of every stage's own program (see `Plan.work`)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import flops as count_flops, stage_tick  # pylint: disable=g-import-not-at-top
-  if plan_obj.split_backward:
-    return _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash)
-  busy = [int((plan_obj.fwd[t] >= 0).sum() + (plan_obj.bwd[t] >= 0).sum())
-          for t in range(plan_obj.num_ticks)]
-  tick = int(np.argmax(busy))
-  out = []
-  for s in range(plan_obj.num_stages):
-    fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash, tick=tick)
-    out.append(count_flops(fn, *args)["total"])
-  if not plan_obj.fwd[tick].min() >= 0 or not plan_obj.bwd[tick].min() >= 0:
-    # gpipe's ticks hold a forward or a backward: add the backward tick's work.
-    t_b = int(np.argmax([int((plan_obj.bwd[t] >= 0).sum()) for t in range(plan_obj.num_ticks)]))
-    for s in range(plan_obj.num_stages):
-      fn, args = stage_tick(fns, plan_obj, s, blocks, shared, tokens, stash=stash,
-                                  tick=t_b)
-      out[s] += count_flops(fn, *args)["total"]
-  return out
-
-
-@dataclasses.dataclass
 class _Parts:
   """What every part of a plan reads: the resolved config and the model's abstract pieces."""
   cfg: config_lib.Config
@@ -270,32 +159,6 @@ class _Parts:
   params: Any
   batch_shape: tuple[int, int, int]
 
-
-
-def _split_tick_costs(fns, plan_obj, blocks, shared, tokens, stash: str) -> list[float]:
-  """zb1: per stage, the FLOPs of one microbatch's F, head, B and W.
-
-  A zb1 tick's program holds each phase under a cond and `flops` counts a
-  cond's costlier branch: a one-tick plan in which every stage runs F, B
-  and one W (a steady tick) counts each phase once, the head included, as
-  1f1b's steady tick does.
-  """
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import flops as count_flops, stage_tick  # pylint: disable=g-import-not-at-top
-  cells = np.zeros((1, plan_obj.num_stages), np.int32)
-  rows = np.zeros((1,), np.int32)
-  every = dataclasses.replace(
-      plan_obj, **{k: cells for k in ("fwd", "bwd", "fwd_version", "bwd_version", "acc",
-                                      "fwd_slot", "bwd_slot", "bwd_wslot",
-                                      "fwd_chunk", "bwd_chunk")},
-      **{k: cells[..., None] for k in ("wgt", "wgt_slot")},  # one W per cell
-      **{k: rows for k in ("embed_version", "head_version", "head_acc", "embed_grad_version",
-                           "embed_acc")})
-  out = []
-  for s in range(plan_obj.num_stages):
-    fn, args = stage_tick(fns, every, s, blocks, shared, tokens, stash=stash, tick=0)
-    out.append(count_flops(fn, *args)["total"])
-  return out
 
 def _parts(cfg: config_lib.Config) -> _Parts:
   """The model, optimizer and abstract parameters exactly as `trainer.make_run` makes them."""
@@ -331,12 +194,9 @@ def _make(parts: _Parts, name: str, stash: str):
 
 
 def _memory(parts: _Parts) -> tuple[dict, dict, int]:
-  """(terms, checkpoint, stage_params): every schedule's memory terms per device, each
-  counted by the schedule itself (`jaxpipe.pipeline.memory_terms`) from the plan it
-  executes."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import memory_terms  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  """(terms, checkpoint, stage_params): every schedule's memory per device, each counted
+  by the schedule itself (`jaxpipe.pipeline.schedule_memory`) from the plan it executes."""
+  from jaxpipe.pipeline import schedule_memory  # pylint: disable=g-import-not-at-top
   terms: dict[str, dict[str, Optional[list]]] = {}
   checkpoint: dict[str, dict[str, Optional[tuple[int, int]]]] = {}
   stage_params = 0
@@ -347,17 +207,11 @@ def _memory(parts: _Parts) -> tuple[dict, dict, int]:
     if _refuses(parts.cfg, name):
       continue
     for stash in stashes:
-      sched = _make(parts, name, stash)
-      state = jax.eval_shape(lambda p, sched=sched: sched.init(p, parts.batch_shape),
-                             parts.params)
-      checkpoint[name][stash] = (_bytes(sched.checkpointed(state)), _bytes(state))
-      terms[name][stash] = memory_terms(sched, parts.params, parts.batch_shape,
-                                              opt_parts=_split_opt_state)
-      if name == "none":
-        continue
-      padded = jax.eval_shape(sched.pad, parts.params)
-      stage_params = sum(int(np.prod(s.shard_shape(x.shape))) for x, s in zip(
-          jax.tree.leaves(padded), jax.tree.leaves(sched.param_shardings(padded))))
+      mem = schedule_memory(_make(parts, name, stash), parts.params, parts.batch_shape,
+                            opt_parts=_split_opt_state)
+      terms[name][stash], checkpoint[name][stash] = mem.terms, mem.checkpoint
+      if mem.stage_params is not None:
+        stage_params = mem.stage_params
   return terms, checkpoint, stage_params
 
 
@@ -365,34 +219,24 @@ def _work_and_traffic(parts: _Parts, work: bool) -> tuple[dict, dict, bool]:
   """(work per stage by stash, traffic per tick, vocab_parallel) of the config's schedule."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import step_plan  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import pad_vocab, padded_vocab  # pylint: disable=g-import-not-at-top
-  from jaxpipe.pipeline import Engine  # pylint: disable=g-import-not-at-top
-  cfg, fns = parts.cfg, parts.fns
+  from jaxpipe import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
+  cfg = parts.cfg
   s_, m = cfg.pipeline.stages, cfg.pipeline.microbatches
   vp = config_lib.vocab_parallel(cfg.model, cfg.pipeline)
   if not (s_ > 1 and not _refuses(cfg, cfg.pipeline.schedule)):
     return {}, {}, vp
   name = cfg.pipeline.schedule if cfg.pipeline.schedule != "none" else "1f1b"
-  v = virtual_stages(cfg, name)
-  blocks = parts.params["blocks"]
-  shared = {k: v for k, v in parts.params.items() if k != "blocks"}
+  steps = pipeline_lib.step_plan(name, s_, m, virtual_stages(cfg, name))
   tokens = jax.ShapeDtypeStruct((parts.batch_shape[1] // cfg.mesh.data, cfg.data.seq_len),
                                 jnp.int32)
-  # The stage functions as the schedule gives them to its engine.
-  mode_fns = fns if vp else fns._replace(vocab_axes=jax.tree.map(
-      lambda _: None, fns.vocab_axes, is_leaf=lambda a: a is None))
-  sh_mode = jax.eval_shape(lambda t: pad_vocab(
-      t, fns.vocab_axes, padded_vocab(cfg.model.vocab_size, s_)), shared) if vp else shared
-  engine = Engine(mode_fns, step_plan(name, s_, m, v), stash=cfg.pipeline.stash)
-  traffic = engine.traffic(_bytes(jax.eval_shape(fns.embed, shared, tokens)),
-                           tokens.shape[0] * cfg.data.seq_len)
-  work_per_stage = {stash: _tick_costs(mode_fns, step_plan(name, s_, m, v), blocks, sh_mode,
-                                       tokens, stash) for stash in STASHES} if work else {}
+  traffic = pipeline_lib.tick_traffic(parts.fns, parts.params, steps, tokens,
+                                      stash=cfg.pipeline.stash, vocab_parallel=vp)
+  work_per_stage = (pipeline_lib.stage_work(parts.fns, parts.params, steps, tokens,
+                                             vocab_parallel=vp) if work else {})
   return work_per_stage, traffic, vp
 
 
-def _warnings(p: Plan, device_gib: float, max_bubble: float) -> list[str]:
+def _warnings(p: Estimate, device_gib: float, max_bubble: float) -> list[str]:
   """What the user should change before launching, one line each."""
   from jaxpipe.pipeline import min_microbatches  # pylint: disable=g-import-not-at-top
   cfg = p.cfg
@@ -429,7 +273,7 @@ def _warnings(p: Plan, device_gib: float, max_bubble: float) -> list[str]:
 
 
 def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float = 0.25,
-         work: bool = True) -> Plan:
+         work: bool = True) -> Estimate:
   """Computes per-device memory, per-stage work and bubbles for `cfg` (no compilation).
 
   The model, optimizer, mesh and schedules are built exactly as
@@ -439,6 +283,7 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
   compares their total with XLA's analysis of the compiled step.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  from jaxpipe.pipeline import Estimate, facts, steady_bubble  # pylint: disable=g-import-not-at-top
   parts = _parts(cfg)
   terms, checkpoint, stage_params = _memory(parts)
   work_per_stage, traffic, vp = _work_and_traffic(parts, work)
@@ -448,12 +293,13 @@ def plan(cfg: config_lib.Config, *, device_gib: float = 80.0, max_bubble: float 
             steady_bubble(name, s_, m, virtual_stages(cfg, name)) for name in SCHEDULES}
   own = None
   if not _refuses(cfg, cfg.pipeline.schedule):
-    from jaxpipe.pipeline import facts  # pylint: disable=g-import-not-at-top
     own = dataclasses.asdict(facts(cfg.pipeline.schedule, s_, m,
                                    virtual_stages(cfg, cfg.pipeline.schedule)))
   num_params = sum(int(x.size) for x in jax.tree.leaves(parts.params))
-  result = Plan(cfg, num_params, int(stage_params), terms, work_per_stage, bubble, [],
-                traffic, vp, checkpoint, own)
+  result = Estimate(schedule=cfg.pipeline.schedule, stash=cfg.pipeline.stash,
+                    num_params=num_params, stage_params=int(stage_params), terms=terms,
+                    work=work_per_stage, bubble=bubble, traffic=traffic, vocab_parallel=vp,
+                    checkpoint=checkpoint, facts=own, cfg=cfg)
   result.warnings = _warnings(result, device_gib, max_bubble)
   return result
 
@@ -498,7 +344,7 @@ def compiled_memory(cfg: config_lib.Config, schedule: str, stash: str) -> dict[s
   return row
 
 
-def format_plan(p: Plan, device_gib: float) -> str:
+def format_plan(p: Estimate, device_gib: float) -> str:
   """The planner's report: header, memory table, work per stage, notes and warnings."""
   cfg = p.cfg
   s_, d_, m = cfg.pipeline.stages, cfg.mesh.data, cfg.pipeline.microbatches
@@ -602,7 +448,7 @@ def format_plan(p: Plan, device_gib: float) -> str:
   return "\n".join(lines)
 
 
-def plan_json(p: Plan, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
+def plan_json(p: Estimate, compiled: Optional[dict[str, int]]) -> dict[str, Any]:
   """The plan as one JSON-ready dict.
 
   At the top level, for the config's own schedule and stash: `estimate_gib`

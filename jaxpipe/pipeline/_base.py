@@ -1,15 +1,14 @@
-"""The schedules' common base: mesh, typed states, their shardings, the guarded update.
+"""The schedules' common base: the optimizer step with its NaN guard, jitting, resuming.
 
-`Schedule` (see `_schedules` for the five schedules) owns a mesh, the
-model's `StageFns` and an optax optimizer; its state is one of the typed
-pytrees here, whose fields' kinds (`KINDS`) give both the shardings `jax.jit`
-places them with and the specs `shard_map` splits them by.
+`Schedule` (see `_schedules` for the schedules) owns a mesh, the model's
+`StageFns` and an optax optimizer; its state is one of the typed pytrees of
+`_states`, whose fields' kinds (`KINDS`) give both the shardings `jax.jit`
+places them with and the specs `shard_map` splits them by (`_placement`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -17,114 +16,16 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from jaxpipe.pipeline import _vocab
-from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns, no_experts
-from jaxpipe.pipeline._mesh import make_mesh
+from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, StageFns
 from jaxpipe.pipeline._names import experts_split
+from jaxpipe.pipeline._placement import Placement
+from jaxpipe.pipeline._states import SyncState, Tree, merge_params, split_params
 from jaxpipe.pipeline._timetable import check_virtual_stages, min_microbatches
 
-Tree = Any
-
-__all__ = ["Schedule", "StepProgram", "SyncState", "FlushedState", "PipeDreamState", "TwoBWState",
-           "InFlight", "make_mesh", "split_params", "merge_params"]
-
-
-def split_params(params: Tree) -> tuple[Tree, Tree]:
-  """(blocks, shared): params['blocks'] and a dict of every other entry."""
-  return params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
-
-
-def merge_params(blocks: Tree, shared: Tree) -> Tree:
-  """Inverse of `split_params`."""
-  return {**shared, "blocks": blocks}
-
-
-# --- typed states --------------------------------------------------------------
-#
-# Field kinds: 'step' a replicated counter; 'params' a parameter tree (natural
-# layout, padded vocabulary); 'versions' a parameter tree with a leading
-# version axis; 'opt' optimizer state following the parameters; 'device'
-# per-device buffers with leading [stage, data] axes; 'batch' a [M, B, t]
-# token batch; 'inflight' a nested `InFlight`.
-
-
-class SyncState(NamedTuple):
-  """State of none, 1f1b and interleaved.
-
-  Attributes:
-    step: updates done.
-    params: the weights.
-    opt_state: the optimizer's state.
-  """
-  step: jax.Array
-  params: Tree
-  opt_state: Tree
-
-  KINDS = {"step": "step", "params": "params", "opt_state": "opt"}
-
-
-class FlushedState(NamedTuple):
-  """State of gpipe and zb1: `SyncState`'s fields and the stash rings.
-
-  Attributes:
-    step: updates done.
-    params: the weights.
-    opt_state: the optimizer's state.
-    rings: per device ([S, D, ...] each leaf): the stash rings a step's
-      ticks write and read (the forward's stash, and W's stash or None).
-      They hold nothing from one step to the next (each step writes a slot
-      before it reads it); they are state so that a step neither allocates
-      nor zero-fills them (on CPUs a step's block of over 64 MiB is mapped
-      afresh, and faulted in, at every step). A checkpoint leaves them out.
-      With `ScheduleOptions.rings_in_state` only; otherwise a step makes
-      its rings and the state is a `SyncState`.
-  """
-  step: jax.Array
-  params: Tree
-  opt_state: Tree
-  rings: Tree
-
-  KINDS = {"step": "step", "params": "params", "opt_state": "opt", "rings": "device"}
-
-
-class PipeDreamState(NamedTuple):
-  """State of pipedream.
-
-  Attributes:
-    step: updates done (k).
-    versions: [S, ...] the last S weight versions, v[j] at index j % S.
-    opt_state: the optimizer's state.
-  """
-  step: jax.Array
-  versions: Tree
-  opt_state: Tree
-
-  KINDS = {"step": "step", "versions": "versions", "opt_state": "opt"}
-
-
-class InFlight(NamedTuple):
-  """What a 2bw pipeline holds between step k-1 and step k (per device: [S, D, ...]).
-
-  Attributes:
-    fwd_buf, bwd_buf: the activation and cotangent in transit between stages.
-    stash: the stash ring (stage inputs or residuals of microbatches whose
-      backward has not run).
-    acc: (blocks, shared) batch k-1's gradient accumulated so far.
-    loss: batch k-1's loss sum so far.
-    tokens, targets: batch k-1, whose last microbatches still run in step k.
-  """
-  fwd_buf: jax.Array
-  bwd_buf: jax.Array
-  stash: Tree
-  acc: Tree
-  loss: jax.Array
-  tokens: jax.Array
-  targets: jax.Array
-
-  KINDS = {"fwd_buf": "device", "bwd_buf": "device", "stash": "device", "acc": "device",
-           "loss": "device", "tokens": "batch", "targets": "batch"}
+__all__ = ["Schedule", "StepProgram"]
 
 
 class StepProgram:
@@ -156,77 +57,13 @@ class StepProgram:
     return getattr(self._inner, name)
 
 
-class TwoBWState(NamedTuple):
-  """State of 2bw at the start of step k.
-
-  Attributes:
-    step: k.
-    prev: v[k-1], the version batch k-1's last microbatches still run on
-      (v[0] at k = 0).
-    cur: v[k], the version batch k runs on.
-    opt_state: the optimizer's state.
-    inflight: the pipeline's in-flight state (`InFlight`).
-  """
-  step: jax.Array
-  prev: Tree
-  cur: Tree
-  opt_state: Tree
-  inflight: InFlight
-
-  KINDS = {"step": "step", "prev": "params", "cur": "params", "opt_state": "opt",
-           "inflight": "inflight"}
-
-
-def pick_version(tree: Tree, index) -> Tree:
-  """Version `index` of a ring of weight versions (each leaf's leading axis)."""
-  return jax.tree.map(lambda v: v[index], tree)
-
-
-def local_block(tree: Tree) -> Tree:
-  """A per-device tree's own block: each leaf without its [stage, data] axes of size 1."""
-  return jax.tree.map(lambda x: x[0, 0], tree)
-
-
-def per_device(tree: Tree) -> Tree:
-  """The inverse of `local_block`: each leaf given leading [stage, data] axes of size 1."""
-  return jax.tree.map(lambda x: x[None, None], tree)
-
-
 def _all_finite(tree: Tree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-  """A parameter's spec and rank, one leaf for `optax.tree_map_params`."""
-  spec: P
-  ndim: int
-
-
-def _splits_data(spec: P) -> bool:
-  return any(e == DATA or (isinstance(e, tuple) and DATA in e) for e in spec)
-
-
-def _data_split(shape: tuple, spec: P, num_stages: int, num_data: int) -> P:
-  """`spec` with 'data' added on the first axis of `shape` that can take it (see
-  `Schedule.opt_param_specs`); `spec` itself where none can or it has 'data' already."""
-  if _splits_data(spec):
-    return spec
-  entries = list(spec) + [None] * (len(shape) - len(spec))
-  stacked = max(len(shape) - 2, 0)
-  for a in [*range(stacked), *range(stacked, len(shape))]:
-    if entries[a] is None and shape[a] % num_data == 0:
-      entries[a] = DATA
-      return P(*entries)
-    if entries[a] == STAGE and shape[a] % (num_stages * num_data) == 0:
-      entries[a] = (STAGE, DATA)
-      return P(*entries)
-  return spec
-
-
-class Schedule:
-  """Base class: shardings, the optimizer step with its NaN guard, and jitting."""
+class Schedule(Placement):
+  """Base class: the guarded optimizer step, jitting, padding, resuming; shardings: `Placement`."""
 
   name = "base"
   loss_lag = 0
@@ -282,148 +119,6 @@ class Schedule:
     self._compiled_steps: set[bool] = set()  # step kinds (guarded or not) called once
     self._jit_eval = None
 
-  # --- shardings, from the kinds of the state's fields -------------------------
-
-  def _named(self, spec: P) -> NamedSharding:
-    return NamedSharding(self.mesh, spec)
-
-  def replicated(self) -> NamedSharding:
-    """A sharding that keeps a full copy on every device of the mesh."""
-    return self._named(P())
-
-  def batch_sharding(self) -> NamedSharding:
-    """Sharding of a [M, B/M, seq] token batch: rows split over 'data'."""
-    return self._named(P(None, DATA))
-
-  def param_specs(self, params: Tree, lead: tuple = ()) -> Tree:
-    """PartitionSpecs of a parameter tree (behind `lead` extra leading axes).
-
-    Blocks are split over 'stage' on their layer axis, shared leaves on their
-    vocabulary axis; the rest is replicated. With expert parallelism the
-    experts' axis of a block leaf (`StageFns.expert_axes`) is also split over
-    'data'. Without a pipeline, replicated.
-    """
-    blocks, shared = split_params(params)
-    if not self.pipelined:
-      return jax.tree.map(lambda _: P(), params)
-    vocab = lambda a: P(*lead, *([None] * a), STAGE) if a is not None else P()
-    return merge_params(jax.tree.map(lambda a: P(*lead, STAGE, *([None] * (a - 1)), DATA)
-                                     if a is not None else P(*lead, STAGE),
-                                     self.expert_axes(blocks, len(lead)),
-                                     is_leaf=lambda a: a is None),
-                        jax.tree.map(vocab, self.fns.vocab_axes, is_leaf=lambda a: a is None))
-
-  def expert_axes(self, blocks: Tree, lead: int = 0) -> Tree:
-    """Per block leaf: its expert axis if this schedule splits it over 'data', else None.
-
-    The axis is counted in the stacked leaf, behind `lead` extra leading axes
-    that `blocks` carries (pipedream's versions). Raises ValueError if the
-    replicas cannot share the experts evenly.
-    """
-    axes = self._split_experts(blocks)
-
-    def check(a, x):
-      if a is not None and x.shape[a + lead] % self.num_data:
-        raise ValueError(f"expert parallelism splits the {x.shape[a + lead]} experts over "
-                         f"{self.num_data} data replicas, which does not divide them; "
-                         "set mesh.expert_parallel=false or another mesh.data")
-      return a
-    return jax.tree.map(check, axes, blocks, is_leaf=lambda a: a is None)
-
-  def _split_experts(self, blocks: Tree) -> Tree:
-    return (self.fns.expert_axes if self.expert_parallel else no_experts)(blocks)
-
-  def _check_shared(self, shared: Tree) -> None:
-    axes = jax.tree.structure(self.fns.vocab_axes, is_leaf=lambda a: a is None)
-    if jax.tree.structure(shared) != axes:
-      raise ValueError("StageFns.vocab_axes must have the structure of the non-block "
-                       f"parameters: {jax.tree.structure(shared)} vs {axes}")
-
-  def param_shardings(self, params: Tree, lead: tuple = ()) -> Tree:
-    """Shardings of a parameter tree (see `param_specs`)."""
-    return jax.tree.map(self._named, self.param_specs(params, lead))
-
-  def opt_param_specs(self, params: Tree) -> Tree:
-    """PartitionSpecs of the optimizer's parameter-shaped state (ZeRO-1 over 'data').
-
-    Each leaf keeps its parameter's spec and, with `shard_optimizer` on a
-    mesh of D > 1 replicas, is also split D ways over 'data': each replica
-    then updates its slice and the new weights are gathered. The axis is the
-    first, in this order, whose size allows it: the stacking axes of a leaf
-    with three or more (layers, experts; so that Muon orthogonalises whole
-    matrices, each on one replica), then the others. An axis already split
-    over 'stage' takes ('stage', 'data') when S x D divides it. A leaf with
-    no such axis stays replicated over 'data'. A leaf whose parameter is
-    split over 'data' already (experts under expert parallelism) keeps its
-    parameter's spec: each replica updates the experts it holds.
-    """
-    specs = self.param_specs(params)
-    if not self.shard_optimizer or self.num_data == 1:
-      return specs
-    return jax.tree.map(lambda x, spec: _data_split(x.shape, spec, self.num_stages,
-                                                    self.num_data),
-                        params, specs)
-
-  def opt_shardings(self, params: Tree, opt_state: Tree) -> Tree:
-    """Shardings of the optimizer state: each parameter-shaped copy as `opt_param_specs` says."""
-    specs = jax.tree.map(lambda x, spec: _Spec(spec, len(x.shape)), params,
-                         self.opt_param_specs(params))
-    masked = lambda x: isinstance(x, optax.MaskedNode)
-
-    def place(x, spec):
-      # Partitioned optimizers hold MaskedNode placeholders where a group
-      # does not apply; they stay placeholders. Buffers with extra leading
-      # axes (the delay's slots) keep their parameter's layout behind them.
-      if masked(x):
-        return x
-      lead = len(x.shape) - spec.ndim
-      return self._named(P(*([None] * lead), *spec.spec) if lead else spec.spec)
-
-    return optax.tree_map_params(self.opt, place, opt_state, specs,
-                                 transform_non_params=lambda _: self.replicated(),
-                                 is_leaf=masked)
-
-  def _field_specs(self, state: NamedTuple, params: Tree) -> NamedTuple:
-    """PartitionSpecs of every field of a typed state (opt: None, see `state_shardings`)."""
-    out = {}
-    for name, kind in type(state).KINDS.items():
-      value = getattr(state, name)
-      if kind == "step":
-        out[name] = P()
-      elif kind == "params":
-        out[name] = self.param_specs(value)
-      elif kind == "versions":
-        out[name] = self.param_specs(value, lead=(None,))
-      elif kind == "opt":
-        out[name] = None
-      elif kind == "device":
-        out[name] = jax.tree.map(lambda _: P(STAGE, DATA), value)
-      elif kind == "batch":
-        out[name] = P(None, DATA)
-      elif kind == "inflight":
-        out[name] = self._field_specs(value, params)
-      else:
-        raise ValueError(f"{type(state).__name__}.{name}: unknown field kind {kind!r}")
-    return type(state)(**out)
-
-  def state_shardings(self, state: NamedTuple) -> NamedTuple:
-    """Shardings of every field of a state (arrays or `jax.eval_shape` structs)."""
-    params = self._params_of(state)
-
-    def shard(state, specs):
-      out = {}
-      for name, kind in type(state).KINDS.items():
-        if kind == "opt":
-          out[name] = self.opt_shardings(params, getattr(state, name))
-        elif kind == "inflight":
-          out[name] = shard(getattr(state, name), getattr(specs, name))
-        else:
-          out[name] = jax.tree.map(self._named, getattr(specs, name),
-                                   is_leaf=lambda x: isinstance(x, P))
-      return type(state)(**out)
-
-    return shard(state, self._field_specs(state, params))
-
   # --- optimizer ---------------------------------------------------------------
 
   def _update(self, params, opt_state, grads, allowed):
@@ -466,6 +161,11 @@ class Schedule:
     self._check_shared(shared)
     return merge_params(blocks, _vocab.pad_vocab(shared, self.fns.vocab_axes, self.vocab))
 
+  def _check_shared(self, shared: Tree) -> None:
+    axes = jax.tree.structure(self.fns.vocab_axes, is_leaf=lambda a: a is None)
+    if jax.tree.structure(shared) != axes:
+      raise ValueError("StageFns.vocab_axes must have the structure of the non-block "
+                       f"parameters: {jax.tree.structure(shared)} vs {axes}")
   def _unpad(self, params: Tree) -> Tree:
     blocks, shared = split_params(params)
     return merge_params(blocks, _vocab.unpad_vocab(shared, self.fns.vocab_axes,

@@ -41,16 +41,16 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpipe.pipeline._base import (  # pylint: disable=unused-import
-    FlushedState, InFlight, PipeDreamState, Schedule, SyncState, Tree, TwoBWState, local_block,
-    per_device, pick_version, make_mesh, merge_params, split_params)
+from jaxpipe.pipeline._base import Schedule
 from jaxpipe.pipeline._engine import DATA, PHASE, STAGE, Engine, StageFns, TickCarry, acc_dtype
 from jaxpipe.pipeline._names import SCHEDULE_NAMES
 from jaxpipe.pipeline._options import ScheduleOptions
+from jaxpipe.pipeline._states import (FlushedState, InFlight, PipeDreamState, SyncState, Tree,
+                                     TwoBWState, local_block, merge_params, per_device,
+                                     pick_version, split_params)
 from jaxpipe.pipeline._timetable import layer_order, step_plan
 
-__all__ = ["Schedule", "SyncState", "FlushedState", "PipeDreamState", "TwoBWState", "InFlight",
-           "Interleaved", "make_schedule", "make_mesh", "split_params", "merge_params"]
+__all__ = ["Interleaved", "make_schedule"]
 
 
 def _full_loss(fns: StageFns):
