@@ -510,6 +510,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="with --gpu: nodes the mesh's GPUs are spread over (default 1)")
   parser.add_argument("--network-gbps", type=float, default=400.0,
                       help="with --gpu: Gb/s one GPU sends to another node (default 400)")
+  parser.add_argument("--time-to-loss", action="store_true",
+                      help="instead of the plan, the projected time to a target loss per "
+                           "schedule and optimizer, from tools/time_to_loss.py's measurement")
+  parser.add_argument("--ttl-json", default=None,
+                      help="that measurement (default docs/data/time_to_loss.json); implies "
+                           "--time-to-loss")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. pipeline.microbatches=8")
   args = parser.parse_args(argv)
   # Planning needs shapes and shardings, not accelerators: plan on the host
@@ -524,6 +530,14 @@ def main(argv: Optional[list[str]] = None) -> int:
       raise ConfigError(f"--max-bubble must be in (0, 1), got {args.max_bubble:g}")
     _check_gpu_args(args)
     cfg = config_lib.load(args.config, args.overrides)
+    if args.time_to_loss or args.ttl_json:
+      from jaxpipe import time_to_loss  # pylint: disable=g-import-not-at-top
+      ttl = time_to_loss.planner_projection(
+          args.ttl_json or time_to_loss.default_json(), cfg.pipeline.stages,
+          cfg.pipeline.microbatches, virtual_stages(cfg, "interleaved"), cfg.model.n_layers)
+      print(json.dumps({"time_to_loss": ttl}, sort_keys=True) if args.json
+            else time_to_loss.format_projection(ttl))
+      return 0
     # XLA's default CPU order, which keeps more alive than the depth-first one
     # train.py sets on the CPU: the larger figure is the one to size by.
     os.environ["XLA_FLAGS"] = accel.merge_xla_flags(os.environ.get("XLA_FLAGS", ""),
