@@ -40,7 +40,7 @@ __all__ = ["FIRST_TIMED", "REFERENCE", "STAGES", "MULTIPLES", "CHECK_TOLERANCE",
            "load_result", "planner_projection", "format_projection"]
 
 # Steps before this one include compilation and the first dispatches (as
-# tools/bench_train_steps.py counts them).
+# tools/cpu/bench_train_steps.py counts them).
 FIRST_TIMED = 3
 # The synchronous run whose loss is the default target: 1F1B with Muon.
 REFERENCE = "1f1b-muon"

@@ -8,8 +8,9 @@
 Trains one model (`configs/delay_study.yaml`, 230,080 parameters) on the
 same tokens in several cells, each a `train.py` process with
 `pipeline.stages=2`, pinned to two cores with `taskset` (a stage per core,
-one XLA thread per device: `XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`),
-as `tools/bench_train_steps.py` runs train.py. A cell is
+one XLA thread per device: `XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`,
+and the CPU tuning, `run.launch_hooks=tools.cpu.tuning`), as
+`tools/cpu/bench_train_steps.py` runs train.py. A cell is
 SCHEDULE-OPTIMIZER[-ef]: 1f1b, interleaved (v=2), zb1 and 2bw, each with
 Muon and with AdamW, and 2bw with the error-feedback correction
 (`optimizer.error_feedback=1`, the delay study's c) for both. Each optimizer
@@ -101,6 +102,8 @@ CONTROLLED = ("run.dir", "run.steps", "run.seed", "run.compile_cache", "pipeline
               "pipeline.stages", "pipeline.microbatches", "pipeline.virtual_stages",
               "optimizer.name", "optimizer.lr", "optimizer.error_feedback", "optimizer.delay",
               "optimizer.schedule", "optimizer.warmup_steps", "eval.every", "checkpoint.every")
+# The CPU tuning the two-core benchmark runs with (tools/cpu/tuning.py).
+HOOKS = "tools.cpu.tuning"
 MARKER = "time_to_loss_run.json"
 RESULT = "time_to_loss.json"
 VIRTUAL_STAGES = 2
@@ -128,7 +131,8 @@ def run_overrides(args, cell: ttl.CellName, seed: int) -> list[str]:
       f"optimizer.error_feedback={1 if cell.error_feedback else 0}", "optimizer.delay=0",
       "optimizer.schedule=constant", f"optimizer.warmup_steps={math.ceil(0.05 * args.steps)}",
       f"run.steps={args.steps_per_run}", f"run.seed={seed}", "run.progress=false",
-      f"eval.every={args.eval_every}", "checkpoint.every=0", *args.overrides]
+      f"eval.every={args.eval_every}", "checkpoint.every=0", f"run.launch_hooks={HOOKS}",
+      *args.overrides]
 
 
 def command(args, overrides: list[str], run_dir: str) -> tuple[list[str], dict[str, str]]:
