@@ -80,7 +80,7 @@ from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu"))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_common import two_cores
 from jaxpipe import config as config_lib

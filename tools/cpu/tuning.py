@@ -205,10 +205,10 @@ def idle_io_thread(new_threads: set[int], local_devices: int, pid: int) -> list[
 # M_MMAP_MAX says, and unmaps it on free; the main arena grows with brk and
 # keeps it. The devices' threads then share the arena's lock: two devices of
 # one process lost 5-11% of their step to it where no block was that large,
-# so the launcher gives one arena (ONE_ARENA) to a process of one device
-# unless run.cpu_malloc_arenas says otherwise. It holds for threads that
-# allocate for the first time after it is set, which is why the launcher
-# sets it before JAX starts its backend. docs/benchmark.md measures each.
+# so `prepare` gives one arena (ONE_ARENA) to a process of one device
+# unless JAXPIPE_CPU_ARENAS says otherwise. It holds for threads that
+# allocate for the first time after it is set, which is why `prepare` sets
+# it before JAX starts its backend. docs/benchmark.md measures each.
 CPU_MALLOC = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 1 << 30),
               "M_TOP_PAD": (-2, 64 << 20)}
 ONE_ARENA = {"M_ARENA_MAX": (-8, 1)}
@@ -257,7 +257,7 @@ def tune_cpu_malloc(env: Optional[Mapping[str, str]] = None, *,
 # kept the core until the scheduler's next tick, and every all-reduce took
 # that tick (4 ms at 250 Hz) whatever its size. At Linux's idle class it
 # runs only when nothing else wants the core (docs/benchmark.md, "One
-# collective alone"; the launcher's policy: `jaxpipe.launch.idle_io_thread`).
+# collective alone"; the policy: `idle_io_thread`).
 # A blocked thread's kernel function (wchan: do_epoll_wait or ep_poll) or
 # system call number while it waits in epoll.
 _EPOLL_WCHAN = ("epoll", "ep_poll")
@@ -272,8 +272,8 @@ def thread_ids() -> set[int]:
     return set()
 
 
-# The cores of the process while XLA compiles without partitioning loop
-# operations (`backend_starting` with run.cpu_split_ops off); None: XLA compiles as it will.
+# `compiling`'s pins, shared by nested and concurrent uses: how deep they
+# are, and each thread's cores before the outermost (restored when it ends).
 _PINNED = {"depth": 0, "saved": {}}
 _PIN_LOCK = threading.Lock()
 
