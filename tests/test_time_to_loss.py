@@ -193,8 +193,15 @@ def test_report_recomputes_the_same_numbers_from_the_json(tmp_path, capsys):
   assert tool.main(["--out", out, "--report"]) == 0
   with open(path) as f:
     again = json.load(f)
-  for key in ("summary", "projection", "check", "target_source", "runs"):
+  for key in ("summary", "projection", "check", "target_source", "runs", "commit", "machine"):
     assert again[key] == first[key], key
+  # A report keeps the commit and machine the runs were made on.
+  with open(path, "w") as f:
+    json.dump({**again, "commit": "abc+dirty", "machine": {"load_avg_1m": 0.5}}, f)
+  assert tool.main(["--out", out, "--report"]) == 0
+  with open(path) as f:
+    kept = json.load(f)
+  assert kept["commit"] == "abc+dirty" and kept["machine"] == {"load_avg_1m": 0.5}
   # Another target, nothing trained.
   assert tool.main(["--out", out, "--report", "--target", "3.5"]) == 0
   with open(path) as f:

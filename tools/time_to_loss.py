@@ -317,7 +317,9 @@ def plot(result: dict[str, Any], path: str) -> None:
 def finish(args, result: dict[str, Any]) -> None:
   """Computes the report, writes the JSON, the tables (and --markdown), the plot; prints."""
   report(result, args.reference, args.target)
-  result["commit"], result["machine"] = git_commit(), machine()
+  if not args.report or "commit" not in result:
+    # The runs' commit and machine: a --report, which trains nothing, keeps them.
+    result["commit"], result["machine"] = git_commit(), machine()
   write_json(args.out, result)
   tables = ttl.markdown(result)
   with open(os.path.join(args.out, "time_to_loss.md"), "w") as f:
