@@ -69,7 +69,7 @@ def hooks(cfg: Config) -> Optional[ModuleType]:
     return None
   try:
     return importlib.import_module(name)
-  except ImportError as e:
+  except (ImportError, TypeError, ValueError) as e:  # TypeError, ValueError: a relative name
     hint = (" (tools.cpu.tuning is in a clone of the repository: run its train.py)"
             if name.startswith("tools.") else "")
     raise ConfigError(f"run.launch_hooks={name}: cannot import it: {e}{hint}") from None

@@ -369,3 +369,19 @@ def test_a_schedule_compiles_its_step_inside_its_compile_scope_once_per_kind():
   sch.lower_step(state, tok, tgt).compile()
   assert len(entered) == 3
   jax.block_until_ready(state)
+
+
+def test_the_benchmarks_schedules_get_the_tunings_options(monkeypatch, clean_state):
+  """The CPU benchmarks' configs name the tuning's hooks: on CPUs gpipe and zb1 keep
+  their rings in the state, and every schedule compiles in the tuning's scope."""
+  sys.path.insert(0, os.path.join(_runs.ROOT, "tools", "cpu"))
+  import bench_common  # pylint: disable=g-import-not-at-top
+  shape = bench_common.ModelShape()
+  tuning._STATE["cpu"] = True  # pylint: disable=protected-access
+  for name, rings in (("gpipe", True), ("zb1", True), ("1f1b", False), ("2bw", False)):
+    cfg = bench_common.make_config(shape, name, 2, 4)
+    opts = launch.schedule_options(cfg, name, ScheduleOptions())
+    assert opts.rings_in_state is rings and opts.compile_scope is tuning.compile_scope, name
+  tuning._STATE["cpu"] = False  # pylint: disable=protected-access
+  cfg = bench_common.make_config(shape, "gpipe", 2, 4)
+  assert not launch.schedule_options(cfg, "gpipe", ScheduleOptions()).rings_in_state

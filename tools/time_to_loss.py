@@ -97,8 +97,9 @@ DEFAULT_CELLS = ("1f1b-muon", "1f1b-adamw", "interleaved-muon", "interleaved-ada
 # (docs/delay_study.md, "Results: seven optimizers").
 TUNED_LRS = {"adamw": 0.012, "muon": 0.012, "mars": 0.012, "normuon": 0.012, "soap": 0.006,
              "adan": 0.048, "lion": 0.001}
-# Keys the tool sets for every run; a positional override of one would be lost.
-CONTROLLED = ("run.dir", "run.steps", "run.seed", "run.compile_cache", "pipeline.schedule",
+# Keys the tool sets for every run; a positional override of one is refused.
+CONTROLLED = ("run.dir", "run.steps", "run.seed", "run.compile_cache", "run.launch_hooks",
+              "run.progress", "pipeline.schedule", "pipeline.stash",
               "pipeline.stages", "pipeline.microbatches", "pipeline.virtual_stages",
               "optimizer.name", "optimizer.lr", "optimizer.error_feedback", "optimizer.delay",
               "optimizer.schedule", "optimizer.warmup_steps", "eval.every", "checkpoint.every")
@@ -387,8 +388,8 @@ def _check(args) -> None:
   if not args.overrun >= 1:
     raise InputError(f"--overrun must be >= 1, got {args.overrun}")
   args.steps_per_run = math.ceil(args.steps * args.overrun / args.eval_every) * args.eval_every
-  try:
-    args.cores = two_cores(args.cores)
+  try:  # a --report trains nothing: any machine may write it
+    args.cores = args.cores.split(",") if args.report else two_cores(args.cores)
   except ValueError as e:
     raise InputError(str(e)) from None
   bad = [o for o in args.overrides if "=" not in o or o.split("=", 1)[0].strip() in CONTROLLED]

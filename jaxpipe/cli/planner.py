@@ -429,7 +429,7 @@ def format_plan(p: Estimate, device_gib: float) -> str:
       "weights, optimizer, in flight, batches: the schedule's state as placed on one device",
       "(the step's arguments). Inside the step, counted by each schedule from the plan it",
       "runs (jaxpipe.pipeline.memory_terms): float32 gradient sums (2bw: two); the",
-      "flushed schedules' stash ring (gpipe's and zb1's: their state, from step to step);",
+      "flushed schedules' stash ring (their state with ScheduleOptions.rings_in_state);",
       "stage 0's embedded inputs and their cotangents; the",
       "compute-dtype and version copies of the weights. Then the larger of one tick's",
       "working set (tick rows: the head's float32 logits, the backward's stash read or",

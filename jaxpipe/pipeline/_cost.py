@@ -263,7 +263,7 @@ def memory_terms(sched, params: Tree, batch_shape: tuple[int, int, int], *,
 
   Returns the terms (see `MemoryTerm`, `memory_total`): the state as placed
   on one device; inside the step the float32 gradient sums, the flushed
-  schedules' stash ring (held in the state by gpipe and zb1), the
+  schedules' stash ring (held in the state with `rings_in_state`), the
   step's embedding of stage 0's inputs and their cotangents, the
   compute-dtype copies of the weights, the version copies; one tick's
   working set (the head's logits, the stash entry written and the one read,

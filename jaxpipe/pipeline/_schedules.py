@@ -3,8 +3,8 @@
 A `Schedule` owns a mesh, the model's `StageFns` and an optax optimizer. Its
 state is a typed pytree (`SyncState`, `FlushedState`, `PipeDreamState`,
 `TwoBWState`): the parameters (with their versions where several are alive),
-the optimizer state, a step counter, for gpipe and zb1 their stash rings
-and, for 2bw, everything in flight between steps. Each
+the optimizer state, a step counter, the flushed schedules' stash rings
+with `ScheduleOptions.rings_in_state` and, for 2bw, everything in flight between steps. Each
 state class names the kind of each of its fields (`KINDS`), and the shardings
 `jax.jit` places them with and the specs `shard_map` splits them by are both
 derived from those kinds. `step` is one jitted function per schedule;

@@ -52,7 +52,7 @@ class SyncState(NamedTuple):
 
 
 class FlushedState(NamedTuple):
-  """State of gpipe and zb1: `SyncState`'s fields and the stash rings.
+  """State of a flushed schedule with `rings_in_state`: `SyncState`'s fields and the stash rings.
 
   Attributes:
     step: updates done.

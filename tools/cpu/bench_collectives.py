@@ -53,7 +53,7 @@ def _worker(spec: dict) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import tuning  # pylint: disable=g-import-not-at-top
+  from tools.cpu import tuning  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   if dist:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

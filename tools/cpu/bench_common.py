@@ -96,7 +96,10 @@ def make_config(shape: ModelShape, schedule: str, num_stages: int, num_microbatc
   from jaxpipe import config as config_lib  # pylint: disable=g-import-not-at-top
   schedule, chunks = parse_label(schedule)
   tree = {
-      "run": {"dir": "runs/bench", "steps": 1000, "progress": False},
+      # The CPU tuning's options and compile scope for the schedules, as a
+      # train.py run with them gets (`tuning.schedule_options`, `compiling`).
+      "run": {"dir": "runs/bench", "steps": 1000, "progress": False,
+              "launch_hooks": "tools.cpu.tuning"},
       "data": {"batch_size": num_microbatches * shape.micro_rows * data,
                "seq_len": shape.seq_len},
       "model": {"vocab_size": shape.vocab, "dim": shape.dim, "n_layers": shape.layers,
@@ -246,7 +249,7 @@ class CeilingRunner(_Timed):
     # is reduced over one.
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data"),
                        check_vma=False)
-    import tuning  # pylint: disable=g-import-not-at-top
+    from tools.cpu import tuning  # pylint: disable=g-import-not-at-top
     with tuning.compiling():  # as the pipelines' steps are compiled
       self.compiled = jax.jit(fn, donate_argnums=0).lower(
           self.state, self.tokens, self.targets).compile()

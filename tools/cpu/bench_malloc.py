@@ -43,7 +43,7 @@ def worker(size_mib: int, calls: int, mode: str, warmup: int = 12) -> dict:
 
   `mode` is a key of MODES; `warmup` calls come before the timed ones.
   """
-  import tuning  # pylint: disable=g-import-not-at-top
+  from tools.cpu import tuning  # pylint: disable=g-import-not-at-top
   one_arena = MODES[mode]
   applied = None if one_arena is None else tuning.tune_cpu_malloc(one_arena=one_arena)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -101,7 +101,7 @@ def memalign_walk(calls: int) -> list[int]:
   # By hand, through ctypes: no package binds posix_memalign or mallopt, and
   # `tune_cpu_malloc` sets nothing where GLIBC_TUNABLES is set (the cache-off run).
   libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-  import tuning  # pylint: disable=g-import-not-at-top
+  from tools.cpu import tuning  # pylint: disable=g-import-not-at-top
   for param, value in {**tuning.CPU_MALLOC, **tuning.ONE_ARENA}.values():
     libc.mallopt(param, value)
   libc.malloc.argtypes, libc.malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p

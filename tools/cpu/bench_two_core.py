@@ -64,7 +64,7 @@ COMPARED = " [B]"
 # left at the normal class with IO_THREAD_ENV=normal, the malloc arenas
 # (ARENA_ENV: one or per_thread), whether XLA may split an operation over
 # the threads (SPLIT_ENV: always or never); unset, "auto" (for --compare-env).
-from tuning import ARENA_ENV, IO_THREAD_ENV, SPLIT_ENV  # pylint: disable=wrong-import-position
+from tools.cpu.tuning import ARENA_ENV, IO_THREAD_ENV, SPLIT_ENV  # pylint: disable=wrong-import-position
 
 # Marks the worker's replies on its stdout, where libraries (gloo) print too.
 _REPLY = "@jaxpipe-bench"
@@ -95,7 +95,7 @@ def worker(spec: dict[str, Any]) -> int:
   starts it (no loop operation partitioned over the threads where every core runs a
   device, `tuning.split_cpu_ops`).
   """
-  import tuning  # pylint: disable=g-import-not-at-top
+  from tools.cpu import tuning  # pylint: disable=g-import-not-at-top
   dist = spec.get("dist")
   devices = 1 if dist else spec["stages"] * spec["data"]
   tuning.tune_cpu_malloc(one_arena=tuning.one_malloc_arena(os.environ.get(ARENA_ENV, "auto"),

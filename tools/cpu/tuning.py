@@ -51,7 +51,7 @@ _STATE: dict[str, Any] = {"threads_before": set(), "compile_cores": None, "cpu":
 
 
 def prepare(cfg: Any, local_devices: int) -> None:
-  """Before JAX starts: glibc's malloc tuned for this process's devices (CPU runs only)."""
+  """Before JAX starts: glibc's malloc tuned for this process's devices, where JAX will not find NVIDIA GPUs."""
   from jaxpipe import accel  # pylint: disable=g-import-not-at-top
   if not accel.gpu_expected():
     tune_cpu_malloc(one_arena=one_malloc_arena(_choice(ARENA_ENV, ARENA_CHOICES), local_devices))
@@ -154,6 +154,7 @@ def start_backend(*, split_ops: bool = True) -> tuple[list[Any], set[int]]:
   before = thread_ids()
   devices = jax.devices()
   cpu = bool(devices) and devices[0].platform == "cpu"
+  _STATE["cpu"] = cpu
   _STATE["compile_cores"] = (frozenset(os.sched_getaffinity(0))
                              if not split_ops and cpu and hasattr(os, "sched_getaffinity")
                              else None)
