@@ -66,14 +66,13 @@ def backend_started(cfg: Any, devices: list, num_processes: int, process_id: int
   """After: compilation pinned where every core runs a device; gloo's thread idle-class."""
   del cfg
   new_threads = thread_ids() - _STATE["threads_before"]
-  _STATE["cpu"] = bool(devices) and devices[0].platform == "cpu"
-  if not _STATE["cpu"]:
-    return
   import jax  # pylint: disable=g-import-not-at-top
   local = len(jax.local_devices())
-  split = split_cpu_ops(_choice(SPLIT_ENV, SPLIT_CHOICES), local, usable_cores())
-  _STATE["compile_cores"] = (None if split or not hasattr(os, "sched_getaffinity")
-                             else frozenset(os.sched_getaffinity(0)))
+  cpu = bool(devices) and devices[0].platform == "cpu"
+  _note_backend(devices, split_ops=not cpu or split_cpu_ops(_choice(SPLIT_ENV, SPLIT_CHOICES),
+                                                            local, usable_cores()))
+  if not cpu:
+    return
   if num_processes > 1 and os.environ.get(IO_THREAD_ENV) != "normal":
     idle_io_thread(new_threads, local, process_id)
 
@@ -153,12 +152,17 @@ def start_backend(*, split_ops: bool = True) -> tuple[list[Any], set[int]]:
   import jax  # pylint: disable=g-import-not-at-top
   before = thread_ids()
   devices = jax.devices()
+  _note_backend(devices, split_ops=split_ops)
+  return devices, thread_ids() - before
+
+
+def _note_backend(devices: list, *, split_ops: bool) -> None:
+  """Notes whether `devices` are CPUs and, if so and not `split_ops`, the cores `compiling` pins to."""
   cpu = bool(devices) and devices[0].platform == "cpu"
   _STATE["cpu"] = cpu
   _STATE["compile_cores"] = (frozenset(os.sched_getaffinity(0))
                              if not split_ops and cpu and hasattr(os, "sched_getaffinity")
                              else None)
-  return devices, thread_ids() - before
 
 
 def idle_io_thread(new_threads: set[int], local_devices: int, pid: int) -> list[int]:
