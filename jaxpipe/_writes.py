@@ -126,6 +126,11 @@ class _OrbaxErrors(logging.Filter):
     return True
 
 
+def _closed_loop(error: Optional[BaseException]) -> bool:
+  """Whether an error is asyncio's 'Event loop is closed' (a callback after orbax's loop ended)."""
+  return isinstance(error, RuntimeError) and "Event loop is closed" in str(error)
+
+
 class Watch:
   """While entered: TensorBoard's writer thread dying of an OSError, or orbax's logged save failures, are kept.
 
@@ -137,7 +142,7 @@ class Watch:
   def __init__(self):
     self._errors: list[BaseException] = []
     self._orbax = _OrbaxErrors()
-    self._previous = self._previous_unraisable = None
+    self._previous = self._previous_unraisable = self._previous_except = None
 
   def _hook(self, args) -> None:
     # Only TensorBoard's writer thread writes into the run folder; another
@@ -152,18 +157,34 @@ class Watch:
     # After a failed checkpoint write, tensorstore's callbacks still in
     # flight call into the event loop orbax has closed; Python would print
     # each as a bare traceback. They say nothing the run's one line does not.
-    if isinstance(args.exc_value, RuntimeError) and "Event loop is closed" in str(args.exc_value):
+    if _closed_loop(args.exc_value):
       return
     self._previous_unraisable(args)
 
+  def _except(self, kind, value, tb) -> None:
+    # The same callbacks, where tensorstore prints the error itself
+    # (PyErr_Print, which goes through sys.excepthook).
+    if _closed_loop(value):
+      return
+    self._previous_except(kind, value, tb)
+
   def __enter__(self) -> "Watch":
     self._previous, self._previous_unraisable = threading.excepthook, sys.unraisablehook
+    self._previous_except = sys.excepthook
     threading.excepthook, sys.unraisablehook = self._hook, self._unraisable
+    sys.excepthook = self._except
     logging.getLogger("absl").addFilter(self._orbax)
     return self
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, kind, value, tb) -> None:
+    # Leaving on a failed write (or an OSError the trainer may take for one),
+    # the filters stay: the callbacks that trace back from it may still be in
+    # flight while train.py says its one line and exits. The hooks only drop
+    # what they are there to drop.
+    if isinstance(value, (WriteFailed, OSError)):
+      return
     threading.excepthook, sys.unraisablehook = self._previous, self._previous_unraisable
+    sys.excepthook = self._previous_except
     logging.getLogger("absl").removeFilter(self._orbax)
 
   def thread_error(self) -> Optional[BaseException]:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 
 import pytest
 
@@ -255,3 +256,24 @@ def test_an_oserror_on_a_file_of_the_run_folder_is_a_write_failure(tmp_path):
   assert _writes.from_oserror(outside, str(tmp_path)) is None
   other = OSError(errno.ECONNRESET, os.strerror(errno.ECONNRESET), str(tmp_path / "x"))
   assert _writes.from_oserror(other, str(tmp_path)) is None
+
+
+def test_a_closed_event_loop_after_a_failed_write_is_not_printed(capsys, monkeypatch):
+  """tensorstore's late callbacks into orbax's closed loop, while train.py says its one line."""
+  seen = []
+  monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
+  monkeypatch.setattr(sys, "unraisablehook", lambda args: seen.append(args.exc_value))
+  monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+  closed, other = RuntimeError("Event loop is closed"), RuntimeError("something else")
+  with pytest.raises(_writes.WriteFailed):
+    with _writes.Watch():
+      raise _writes.WriteFailed("a checkpoint", "/x", OSError(errno.EFBIG, "File too large"))
+  # Still filtered after the failure left the block: the process is on its way out.
+  sys.excepthook(RuntimeError, closed, None)
+  sys.unraisablehook(types.SimpleNamespace(exc_value=closed))
+  sys.excepthook(RuntimeError, other, None)
+  assert seen == [other]
+  with _writes.Watch() as watch:
+    pass
+  assert sys.excepthook is not watch._except  # put back when the block ends without one
+  assert "Traceback" not in capsys.readouterr().err
