@@ -169,6 +169,12 @@ class Watch:
     self._previous_except(kind, value, tb)
 
   def __enter__(self) -> "Watch":
+    lingering = getattr(sys.excepthook, "__self__", None)
+    if isinstance(lingering, Watch):
+      lingering._restore()  # pylint: disable=protected-access
+    absl = logging.getLogger("absl")
+    for stale in [f for f in absl.filters if isinstance(f, _OrbaxErrors)]:
+      absl.removeFilter(stale)  # it would take this run's failures from it
     self._previous, self._previous_unraisable = threading.excepthook, sys.unraisablehook
     self._previous_except = sys.excepthook
     threading.excepthook, sys.unraisablehook = self._hook, self._unraisable
@@ -178,11 +184,14 @@ class Watch:
 
   def __exit__(self, kind, value, tb) -> None:
     # Leaving on a failed write (or an OSError the trainer may take for one),
-    # the filters stay: the callbacks that trace back from it may still be in
-    # flight while train.py says its one line and exits. The hooks only drop
-    # what they are there to drop.
-    if isinstance(value, (WriteFailed, OSError)):
-      return
+    # the filters stay: the callbacks and logs that trace back from it may
+    # still come while train.py says its one line and exits. They linger
+    # until the process ends or the next Watch is entered, which puts back
+    # what was there before.
+    if not isinstance(value, (WriteFailed, OSError)):
+      self._restore()
+
+  def _restore(self) -> None:
     threading.excepthook, sys.unraisablehook = self._previous, self._previous_unraisable
     sys.excepthook = self._previous_except
     logging.getLogger("absl").removeFilter(self._orbax)

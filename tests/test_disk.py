@@ -265,6 +265,7 @@ def test_a_closed_event_loop_after_a_failed_write_is_not_printed(capsys, monkeyp
   monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
   monkeypatch.setattr(sys, "unraisablehook", lambda args: seen.append(args.exc_value))
   monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+  before = sys.excepthook, sys.unraisablehook, threading.excepthook
   closed, other = RuntimeError("Event loop is closed"), RuntimeError("something else")
   with pytest.raises(_writes.WriteFailed):
     with _writes.Watch():
@@ -278,9 +279,13 @@ def test_a_closed_event_loop_after_a_failed_write_is_not_printed(capsys, monkeyp
   sys.unraisablehook(types.SimpleNamespace(exc_value=closed))
   sys.excepthook(RuntimeError, other, None)
   assert seen == [other]
+  # The next watch (a later run in the same process) puts back what was there
+  # before the first, and sees orbax's logs itself.
   with _writes.Watch() as watch:
-    pass
-  assert sys.excepthook is not watch._except  # put back when the block ends without one
-  for f in [f for f in absl.filters if isinstance(f, _writes._OrbaxErrors)]:
-    absl.removeFilter(f)  # the first watch's, left on purpose
+    assert not any(isinstance(f, _writes._OrbaxErrors) and f is not watch._orbax
+                   for f in absl.filters)
+  assert (sys.excepthook, sys.unraisablehook, threading.excepthook) == before
+  sys.excepthook(RuntimeError, closed, None)
+  assert seen == [other, closed]
+  assert not any(isinstance(f, _writes._OrbaxErrors) for f in absl.filters)
   assert "Traceback" not in capsys.readouterr().err
