@@ -29,6 +29,7 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 
 from jaxpipe.errors import ConfigError
+from jaxpipe.errors import check_config as _check
 # The model owns its section, its choices and its checks; this module composes the sections.
 from jaxpipe.model import DTYPE_NAMES, ModelConfig, MoEConfig, validate as validate_model
 # The optimizers' section, their choices and checks, read without JAX (as the model's).
@@ -485,11 +486,6 @@ def profile_window(spec: str) -> tuple[int, int] | None:
 def _or(choices: Sequence[str]) -> str:
   """'a, b or c': choices as an error message lists them."""
   return ", ".join(choices[:-1]) + " or " + choices[-1]
-
-
-def _check(cond: bool, message: str) -> None:
-  if not cond:
-    raise ConfigError(message)
 
 
 def vocab_parallel(model: ModelConfig, pipeline: PipelineConfig) -> bool:

@@ -4,7 +4,7 @@
 stderr and exit with status 2. Everything else is a bug and keeps its traceback.
 """
 
-__all__ = ["InputError", "ConfigError", "DataError", "CheckpointError"]
+__all__ = ["InputError", "ConfigError", "DataError", "CheckpointError", "check_config"]
 
 
 class InputError(ValueError):
@@ -21,3 +21,9 @@ class DataError(InputError):
 
 class CheckpointError(InputError):
   """A checkpoint is unreadable or does not fit the run's config."""
+
+
+def check_config(cond: bool, message: str) -> None:
+  """Raises ConfigError(message) unless `cond`: the config sections' one-line checks."""
+  if not cond:
+    raise ConfigError(message)

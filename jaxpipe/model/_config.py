@@ -11,7 +11,7 @@ import dataclasses
 import typing
 from typing import Literal
 
-from jaxpipe.errors import ConfigError
+from jaxpipe.errors import check_config as _check
 
 __all__ = ["ModelConfig", "MoEConfig", "DtypeName", "RematPolicy", "AttentionSetting",
            "DTYPE_NAMES", "REMAT_POLICIES", "ATTENTION_SETTINGS", "validate"]
@@ -67,11 +67,6 @@ class ModelConfig:
   # checkpoint and never this directory again.
   init_from: str = ""
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
-
-
-def _check(cond: bool, message: str) -> None:
-  if not cond:
-    raise ConfigError(message)
 
 
 def validate(m: ModelConfig) -> None:

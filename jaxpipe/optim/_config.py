@@ -25,7 +25,7 @@ import dataclasses
 import typing
 from typing import Any, Literal, Mapping
 
-from jaxpipe.errors import ConfigError
+from jaxpipe.errors import check_config as _check
 
 __all__ = ["OptimizerConfig", "MuonConfig", "NorMuonConfig", "MarsConfig", "LionConfig",
            "AdanConfig", "SoapConfig", "SgdConfig", "OptimizerName", "LrSchedule", "AdanForm",
@@ -192,11 +192,6 @@ def saved_section(section: Mapping[str, Any]) -> dict[str, Any]:
     sub, key = target.split(".")
     out.setdefault(sub, {}).setdefault(key, value)
   return out
-
-
-def _check(cond: bool, message: str) -> None:
-  if not cond:
-    raise ConfigError(message)
 
 
 def validate(o: OptimizerConfig) -> None:
